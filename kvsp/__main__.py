@@ -1,0 +1,7 @@
+"""``python -m kvsp``: the same as the ``kvsp`` command."""
+
+import sys
+
+from kvsp.cli import main
+
+sys.exit(main())

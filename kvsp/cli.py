@@ -1,0 +1,210 @@
+"""The ``kvsp`` command (also ``python -m kvsp``): language-neutral access to the protocol core
+(spec §4.1–4.3) so that other implementations can check themselves against this one.
+
+Every command prints its result on stdout. Bad input gives one line on stderr, starting with
+``kvsp: error:``, and exit status 2 (usage) or 1 (input); never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvsp import __version__
+from kvsp.errors import KVSPError
+
+EXIT_INPUT = 1
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class CLIError(Exception):
+    """A user-facing error of the command line (printed as one line, exit status 1)."""
+
+
+def _read_json(path: str) -> Any:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CLIError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CLIError(f"{path}: not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"{path}: malformed JSON: {exc.msg} at line {exc.lineno}") from None
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise CLIError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _hex_arg(text: str, what: str) -> bytes:
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise CLIError(f"{what}: not hex: {text[:80]!r}") from None
+
+
+def _cmd_compat_id(args: argparse.Namespace) -> int:
+    from kvsp.compat import compat_id
+
+    print(compat_id(_read_json(args.descriptor)).hex())
+    return 0
+
+
+def _cmd_scope_id(args: argparse.Namespace) -> int:
+    from kvsp.keys import scope_id
+
+    print(scope_id(_hex_arg(args.scope_key, "--scope-key")).hex())
+    return 0
+
+
+def _parse_tokens(args: argparse.Namespace) -> list[int]:
+    if args.tokens is not None:
+        text = args.tokens.strip()
+        if not text:
+            return []
+        try:
+            return [int(part, 10) for part in text.split(",")]
+        except ValueError:
+            raise CLIError("--tokens: expected comma-separated decimal integers") from None
+    data = _read_json(args.tokens_file)
+    if not isinstance(data, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in data
+    ):
+        raise CLIError(f"{args.tokens_file}: expected a JSON array of integers")
+    return data
+
+
+def _cmd_block_keys(args: argparse.Namespace) -> int:
+    from kvsp.ids import parse_compat_id
+    from kvsp.keys import block_keys
+
+    keys = block_keys(
+        _hex_arg(args.scope_key, "--scope-key"),
+        parse_compat_id(args.compat_id, "--compat-id"),
+        _parse_tokens(args),
+        args.block_tokens,
+    )
+    sys.stdout.write("".join(key.hex() + "\n" for key in keys))
+    return 0
+
+
+def _cmd_container_inspect(args: argparse.Namespace) -> int:
+    from kvsp.container import Geometry, decode_container, replica_digest
+    from kvsp.ids import format_digest
+
+    geometry = None
+    if args.descriptor:
+        geometry = Geometry.from_descriptor(_descriptor(args.descriptor))
+    container = decode_container(_read_bytes(args.file), geometry)
+    digests = container.layer_digests()
+    report = {
+        "version": container.version,
+        "flags": container.flags,
+        "codec": container.codec,
+        "first_layer": container.first_layer,
+        "layer_count": container.layer_count,
+        "token_count": container.token_count,
+        "layer_digests": [d.hex() for d in digests],
+        "digest": format_digest(replica_digest(digests)),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _descriptor(path: str) -> Any:
+    from kvsp.compat import CompatibilityDescriptor
+
+    return CompatibilityDescriptor.from_json(_read_json(path))
+
+
+def _cmd_container_pack(args: argparse.Namespace) -> int:
+    from kvsp.container import Geometry, encode_container
+
+    geometry = Geometry.from_descriptor(_descriptor(args.descriptor))
+    layers = [(_read_bytes(k), _read_bytes(v)) for k, v in args.layer_file]
+    data = encode_container(
+        layers, first_layer=args.first_layer, token_count=args.token_count, geometry=geometry
+    )
+    try:
+        Path(args.output).write_bytes(data)
+    except OSError as exc:
+        raise CLIError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    return 0
+
+
+def _cmd_help(parser: argparse.ArgumentParser) -> Handler:
+    def show(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 0
+
+    return show
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``kvsp`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvsp", description="KV Cache Storage Protocol (KVSP) reference implementation"
+    )
+    parser.add_argument("--version", action="version", version=f"kvsp {__version__}")
+    parser.set_defaults(handler=_cmd_help(parser))
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    p = sub.add_parser("compat-id", help="§4.1 Compatibility ID of a descriptor (hex32)")
+    p.add_argument("descriptor", metavar="DESCRIPTOR.json")
+    p.set_defaults(handler=_cmd_compat_id)
+
+    p = sub.add_parser("scope-id", help="§4.2 Scope ID of a scope key (hex16)")
+    p.add_argument("--scope-key", required=True, metavar="HEX")
+    p.set_defaults(handler=_cmd_scope_id)
+
+    p = sub.add_parser("block-keys", help="§4.2 Block Keys of a token sequence, one per line")
+    p.add_argument("--scope-key", required=True, metavar="HEX")
+    p.add_argument("--compat-id", required=True, metavar="HEX32")
+    p.add_argument("--block-tokens", required=True, type=int, metavar="B")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--tokens", metavar="1,2,3")
+    group.add_argument("--tokens-file", metavar="F.json")
+    p.set_defaults(handler=_cmd_block_keys)
+
+    container = sub.add_parser("container", help="§4.3 KVB1 block containers")
+    csub = container.add_subparsers(metavar="ACTION", required=True)
+    p = csub.add_parser("inspect", help="print a container's header and digests as JSON")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--descriptor", metavar="D.json", help="also check lengths against it")
+    p.set_defaults(handler=_cmd_container_inspect)
+    p = csub.add_parser("pack", help="write a container from raw K/V section files")
+    p.add_argument("--descriptor", required=True, metavar="D.json")
+    p.add_argument("--first-layer", required=True, type=int, metavar="N")
+    p.add_argument("--token-count", required=True, type=int, metavar="T")
+    p.add_argument("--layer-file", required=True, nargs=2, action="append", metavar=("K", "V"))
+    p.add_argument("-o", "--output", required=True, metavar="OUT")
+    p.set_defaults(handler=_cmd_container_pack)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvsp`` command; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.handler(args)
+    except (KVSPError, CLIError) as exc:
+        print(f"kvsp: error: {exc}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

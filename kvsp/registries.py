@@ -7,6 +7,7 @@ instance states. Lookups that fail raise a typed :class:`~kvsp.errors.KVSPError`
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 
@@ -99,22 +100,32 @@ def parse_positional(text: str, path: str | None = None) -> tuple[str, dict[str,
     """
     if not isinstance(text, str):
         raise DescriptorError(f"expected a string, got {type(text).__name__}", path=path)
+    try:
+        name, params = _parse_positional(text)
+    except DescriptorError as exc:
+        raise DescriptorError(exc.detail, path=path) from None
+    return name, dict(params)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_positional(text: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    # Descriptors repeat the same few strings; validation dominates compat_id(dict) otherwise.
     name, *parts = text.split(";")
     entry = POSITIONAL_ENCODINGS.get(name)
     if entry is None:
         known = ", ".join(POSITIONAL_ENCODINGS)
-        raise DescriptorError(f"unknown positional encoding {name!r} ({known})", path=path)
+        raise DescriptorError(f"unknown positional encoding {name!r} ({known})")
     params: dict[str, str] = {}
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or key not in entry.params:
-            raise DescriptorError(f"{name}: unknown parameter {part!r}", path=path)
+            raise DescriptorError(f"{name}: unknown parameter {part!r}")
         if params and key <= max(params):
-            raise DescriptorError(f"{name}: parameters must be sorted and unique", path=path)
+            raise DescriptorError(f"{name}: parameters must be sorted and unique")
         if re.fullmatch(entry.params[key], value) is None:
-            raise DescriptorError(f"{name}: bad value for {key}: {value!r}", path=path)
+            raise DescriptorError(f"{name}: bad value for {key}: {value!r}")
         params[key] = value
-    return name, params
+    return name, tuple(params.items())
 
 
 class Tier(enum.StrEnum):

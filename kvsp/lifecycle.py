@@ -1,0 +1,338 @@
+"""Instance status and lifecycle at the PC (spec §6.3): the state table and the epoch rules.
+
+:class:`~kvsp.registries.InstanceState` lives in the registries module; its transition table is
+here, with the actor allowed to make each move:
+
+========== ========== =========== ==========================================================
+from       to         by          why
+========== ========== =========== ==========================================================
+active     draining   pc          the PC accepts a sleep request, or an operator drains it
+draining   active     pc          an operator cancels the drain
+draining   sleeping   instance    the instance has no sessions left and reports it
+sleeping   active     pc          only a state change from the PC wakes an instance
+active,    failed     expiry      its status record expired
+draining,
+sleeping
+failed     active     instance    a new epoch (a restart) re-registers it
+========== ========== =========== ==========================================================
+
+Sleeping is entered only from draining, so an instance never sleeps with sessions in flight;
+there is no active → sleeping edge. The PC is the authority for every other move. An instance
+learns of the PC's changes from PUT state or from the answer to its next status PUT, so its
+records lag: a reported state that the PC has since moved the instance away from (or one the
+instance could have reached from such a state on its own) is a lag, ignored, and answered with
+the PC's state. Any other difference is an illegal move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, Generic, Literal, Protocol, TypeVar
+
+from kvsp.errors import BadRequest, IllegalTransition, NotFound, StaleEpoch
+from kvsp.registries import InstanceState
+
+Actor = Literal["pc", "instance", "expiry"]
+
+_A, _D, _S, _F = (
+    InstanceState.ACTIVE,
+    InstanceState.DRAINING,
+    InstanceState.SLEEPING,
+    InstanceState.FAILED,
+)
+
+TRANSITIONS: Final[Mapping[tuple[InstanceState, InstanceState], frozenset[Actor]]] = {
+    (_A, _D): frozenset({"pc"}),
+    (_D, _A): frozenset({"pc"}),
+    (_D, _S): frozenset({"instance"}),
+    (_S, _A): frozenset({"pc"}),
+    (_A, _F): frozenset({"expiry"}),
+    (_D, _F): frozenset({"expiry"}),
+    (_S, _F): frozenset({"expiry"}),
+    (_F, _A): frozenset({"instance"}),
+}
+"""(from, to) → the actors that may make the move (§6.3)."""
+
+
+def _allowed(src: InstanceState, dst: InstanceState, by: Actor) -> bool:
+    return by in TRANSITIONS.get((src, dst), frozenset())
+
+
+def check_transition(src: InstanceState, dst: InstanceState, *, by: Actor) -> None:
+    """Allow the move ``src → dst`` by ``by`` only if the table has it.
+
+    Raises:
+        IllegalTransition: the table has no such move for that actor (409 kvsp-conflict).
+    """
+    if not _allowed(src, dst, by):
+        raise IllegalTransition(f"instance state {src} -> {dst} is not allowed by {by}")
+
+
+class StatusRecordLike(Protocol):
+    """The members of a §4.4 Instance Status Record that the lifecycle reads."""
+
+    @property
+    def instance(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def queued(self) -> int: ...
+    @property
+    def requested_state(self) -> str | None: ...
+    @property
+    def ttl_ms(self) -> int: ...
+
+
+R = TypeVar("R", bound=StatusRecordLike)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SleepPolicy:
+    """When the PC grants a sleep request (§6.3).
+
+    The load of a record is ``running + queued``. A request is granted when every record the PC
+    has taken from the current epoch since ``min_low_ms`` ago (and at least one that old) had a
+    load below ``threshold_load``.
+    """
+
+    threshold_load: float
+    min_low_ms: int
+
+    def load(self, record: StatusRecordLike) -> float:
+        """The load the threshold applies to: ``running + queued``."""
+        return float(record.running + record.queued)
+
+    def is_low(self, record: StatusRecordLike) -> bool:
+        """Whether ``record`` shows a load below the threshold."""
+        return self.load(record) < self.threshold_load
+
+    def grants(self, low_since_ms: int | None, now_ms: int) -> bool:
+        """Whether a load low since ``low_since_ms`` (``None``: not low) allows sleeping now."""
+        return low_since_ms is not None and now_ms - low_since_ms >= self.min_low_ms
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InstanceEntry(Generic[R]):
+    """What the PC knows of one instance: its state, latest record and load history.
+
+    ``unapplied_from`` holds the states the PC moved the instance away from since it last
+    reported the PC's state; ``low_since_ms`` is when the current run of low-load records began.
+    """
+
+    instance: str
+    epoch: int
+    state: InstanceState
+    record: R
+    received_ms: int
+    low_since_ms: int | None
+    unapplied_from: frozenset[InstanceState]
+
+    def expired(self, now_ms: int) -> bool:
+        """Whether the record is ``ttl_ms`` or more old at ``now_ms``."""
+        return now_ms - self.received_ms >= self.record.ttl_ms
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accepted:
+    """The outcome of a status record: the body of the PC's answer is ``{"state": state}``.
+
+    ``registered`` is true when the record started an epoch (first record or a restart);
+    ``changed`` when the PC's state for the instance moved; ``ended_epoch`` names the epoch a
+    restart ended before :meth:`InstanceRegistry.expire` reported it failed (its sessions need
+    the §6.8 failover, as after an expiry).
+    """
+
+    instance: str
+    epoch: int
+    state: InstanceState
+    registered: bool
+    changed: bool
+    ended_epoch: int | None = None
+
+
+def _reported(record: StatusRecordLike) -> InstanceState:
+    try:
+        state = InstanceState(record.state)
+    except ValueError:
+        raise BadRequest(f"unknown state {record.state!r}", path="$.state") from None
+    if state is InstanceState.FAILED:
+        raise BadRequest("an instance does not report itself failed", path="$.state")
+    if record.requested_state not in (None, InstanceState.SLEEPING):
+        raise BadRequest("requested_state may only be sleeping", path="$.requested_state")
+    return state
+
+
+class InstanceRegistry(Generic[R]):
+    """The PC's table of instances, fed status records (§6.3); pure, ``now_ms`` passed in."""
+
+    __slots__ = ("_entries", "_policy")
+
+    def __init__(self, policy: SleepPolicy) -> None:
+        """Create an empty registry that grants sleep requests under ``policy``."""
+        self._policy = policy
+        self._entries: dict[str, InstanceEntry[R]] = {}
+
+    def accept_status(self, record: R, now_ms: int) -> Accepted:
+        """Take a status record and decide the state the PC answers with.
+
+        A first record, or one with a higher epoch than seen (a restart, which ends the old
+        epoch as failed), registers the instance; a first record adopts the reported state, a
+        restart must report active. A ``requested_state`` of sleeping is answered with draining
+        when :class:`SleepPolicy` grants it, else with the current state. A rejected record
+        changes nothing.
+
+        Raises:
+            StaleEpoch: an epoch lower than the highest seen, or the epoch of an instance whose
+                record expired (it is failed and must re-register with a higher epoch).
+            IllegalTransition: a reported state the instance may not move to.
+            BadRequest: a reported state of failed or an unknown state.
+        """
+        reported = _reported(record)
+        entry = self._entries.get(record.instance)
+        if entry is None or record.epoch > entry.epoch:
+            state, unapplied, ended = self._register(entry, reported)
+        elif record.epoch < entry.epoch:
+            # MUST discard records with an epoch lower than the highest seen (§6.3).
+            raise StaleEpoch(f"epoch {record.epoch} < {entry.epoch} of {record.instance}")
+        elif entry.state is InstanceState.FAILED or entry.expired(now_ms):
+            # Failed when its record expired (§6.3); the old epoch is rejected (§6.8).
+            raise StaleEpoch(f"{record.instance} failed at epoch {entry.epoch}; re-register")
+        else:
+            state, unapplied = self._reconcile(entry, reported)
+            ended = None
+        registered = entry is None or record.epoch > entry.epoch
+        low_since = self._low_since(None if registered else entry, record, now_ms)
+        if (
+            record.requested_state is not None
+            and state is InstanceState.ACTIVE
+            and self._policy.grants(low_since, now_ms)
+        ):
+            check_transition(state, InstanceState.DRAINING, by="pc")
+            state, unapplied = InstanceState.DRAINING, unapplied | {state}
+        self._entries[record.instance] = InstanceEntry(
+            instance=record.instance,
+            epoch=record.epoch,
+            state=state,
+            record=record,
+            received_ms=now_ms,
+            low_since_ms=low_since,
+            unapplied_from=unapplied,
+        )
+        return Accepted(
+            instance=record.instance,
+            epoch=record.epoch,
+            state=state,
+            registered=registered,
+            changed=entry is not None and (registered or entry.state is not state),
+            ended_epoch=ended,
+        )
+
+    @staticmethod
+    def _register(
+        entry: InstanceEntry[R] | None, reported: InstanceState
+    ) -> tuple[InstanceState, frozenset[InstanceState], int | None]:
+        if entry is None:
+            return reported, frozenset(), None  # nothing known: adopt what it reports
+        check_transition(InstanceState.FAILED, reported, by="instance")
+        # An epoch that expire() has not yet reported ends here; report it instead.
+        ended = None if entry.state is InstanceState.FAILED else entry.epoch
+        return reported, frozenset(), ended
+
+    def _low_since(
+        self, entry: InstanceEntry[R] | None, record: StatusRecordLike, now_ms: int
+    ) -> int | None:
+        if not self._policy.is_low(record):
+            return None
+        if entry is None or entry.low_since_ms is None:
+            return now_ms
+        return entry.low_since_ms
+
+    @staticmethod
+    def _reconcile(
+        entry: InstanceEntry[R], reported: InstanceState
+    ) -> tuple[InstanceState, frozenset[InstanceState]]:
+        if reported is entry.state:
+            return entry.state, frozenset()  # the instance has applied the PC's state
+        if any(
+            reported is old or _allowed(old, reported, "instance") for old in entry.unapplied_from
+        ):
+            return entry.state, entry.unapplied_from  # lag: it has not seen the change yet
+        check_transition(entry.state, reported, by="instance")
+        return reported, frozenset()
+
+    def set_state(self, instance: str, dst: InstanceState, now_ms: int) -> InstanceState:
+        """Change an instance's state on the PC's or an operator's order (§6.3 PUT state).
+
+        Setting the current state again is a no-op. Moving an instance to active restarts its
+        low-load history, so it must stay idle for the full time before it may sleep again.
+
+        Raises:
+            NotFound: the instance never reported.
+            IllegalTransition: the table has no such move for the PC (a failed instance comes
+                back only by re-registering).
+        """
+        entry = self._entries.get(instance)
+        if entry is None:
+            raise NotFound(f"unknown instance {instance}")
+        if entry.expired(now_ms):
+            raise IllegalTransition(f"{instance} is failed: its status record expired")
+        if dst is entry.state:
+            return dst
+        check_transition(entry.state, dst, by="pc")
+        self._entries[instance] = dataclasses.replace(
+            entry,
+            state=dst,
+            unapplied_from=entry.unapplied_from | {entry.state},
+            low_since_ms=None if dst is InstanceState.ACTIVE else entry.low_since_ms,
+        )
+        return dst
+
+    def expire(self, now_ms: int) -> tuple[str, ...]:
+        """Mark as failed every live instance whose record expired; return them, sorted (§6.3).
+
+        A record received at ``t`` with ``ttl_ms`` is live while ``now_ms < t + ttl_ms``.
+        """
+        failed = []
+        for name, entry in self._entries.items():
+            if entry.state is not InstanceState.FAILED and entry.expired(now_ms):
+                check_transition(entry.state, InstanceState.FAILED, by="expiry")
+                failed.append(name)
+        for name in failed:
+            self._entries[name] = dataclasses.replace(
+                self._entries[name], state=InstanceState.FAILED, unapplied_from=frozenset()
+            )
+        return tuple(sorted(failed))
+
+    def get(self, instance: str) -> InstanceEntry[R] | None:
+        """The entry of ``instance``, or ``None`` if it never reported."""
+        return self._entries.get(instance)
+
+    def state_of(self, instance: str, now_ms: int | None = None) -> InstanceState | None:
+        """The PC's state of ``instance`` (failed if its record expired by ``now_ms``)."""
+        entry = self._entries.get(instance)
+        if entry is None:
+            return None
+        if now_ms is not None and entry.expired(now_ms):
+            return InstanceState.FAILED
+        return entry.state
+
+    def active_instances(self, now_ms: int) -> tuple[R, ...]:
+        """The latest records of the instances that are active and unexpired, by URI (§6.3).
+
+        Only these may be given requests or prefetch directives.
+        """
+        return tuple(
+            entry.record
+            for _, entry in sorted(self._entries.items())
+            if entry.state is InstanceState.ACTIVE and not entry.expired(now_ms)
+        )
+
+    def entries(self) -> tuple[InstanceEntry[R], ...]:
+        """Every known instance, sorted by URI (for listing)."""
+        return tuple(entry for _, entry in sorted(self._entries.items()))

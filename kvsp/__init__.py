@@ -1,11 +1,36 @@
 """KVSP: the KV Cache Storage Protocol, reference implementation.
 
 The top-level modules are the sans-I/O protocol core (spec §4); ``kvsp.services``,
-``kvsp.stores``, ``kvsp.engine`` and ``kvsp.cli`` are the shells around it.
+``kvsp.stores``, ``kvsp.engine`` and ``kvsp.cli`` are the shells around it. The names below are
+the public API other tools import; they are fixed.
 """
 
+from kvsp.compat import CompatibilityDescriptor, compat_id
+from kvsp.container import (
+    Container,
+    decode_container,
+    encode_container,
+    layer_digest,
+    replica_digest,
+)
+from kvsp.container_reader import ContainerReader
 from kvsp.errors import KVSPError
+from kvsp.keys import BlockKeyChain, block_keys, scope_id
 
 __version__ = "0.1.0"
 
-__all__ = ["KVSPError", "__version__"]
+__all__ = [
+    "BlockKeyChain",
+    "CompatibilityDescriptor",
+    "Container",
+    "ContainerReader",
+    "KVSPError",
+    "__version__",
+    "block_keys",
+    "compat_id",
+    "decode_container",
+    "encode_container",
+    "layer_digest",
+    "replica_digest",
+    "scope_id",
+]

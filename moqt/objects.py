@@ -1,0 +1,388 @@
+"""MOQT draft-16 data streams (§10.4): the incremental parser and its events, plus re-exports.
+
+Feed a unidirectional stream to :class:`DataStreamParser` in chunks of any size. It emits the
+stream header (:class:`SubgroupHeader` or :class:`FetchHeader`), then for every object
+``ObjectStart``, zero or more ``ObjectChunk`` and ``ObjectEnd`` — status objects (END_OF_GROUP,
+END_OF_TRACK) and empty objects included, with the status on ``ObjectStart`` — plus
+``EndOfRange`` markers on FETCH streams and ``StreamFinished`` at the FIN.
+
+Payload chunks are memoryview slices of the buffers fed in, never copies, so a 2 MiB layer can be
+hashed and copied into its destination piece by piece. A chunk stays valid as long as the buffer
+it came from is not mutated. Only object and stream headers split across feeds are buffered.
+
+Encoders, datagrams and the KVSP layer-digest helpers are in :mod:`moqt.objects_wire` and are
+re-exported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from .errors import NeedMoreData, ObjectStatus, ProtocolViolation
+from .objects_wire import (
+    FETCH_DATAGRAM,
+    FETCH_END_OF_NON_EXISTENT_RANGE,
+    FETCH_END_OF_UNKNOWN_RANGE,
+    FETCH_EXTENSIONS,
+    FETCH_GROUP_ID,
+    FETCH_HEADER_TYPE,
+    FETCH_OBJECT_ID,
+    FETCH_PRIORITY,
+    FETCH_SUBGROUP_MASK,
+    FETCH_SUBGROUP_NEXT,
+    FETCH_SUBGROUP_PRESENT,
+    FETCH_SUBGROUP_PRIOR,
+    KVSP_LAYER_DIGEST,
+    LAYER_DIGEST_SIZE,
+    Extensions,
+    FetchHeader,
+    FetchStreamWriter,
+    ObjectDatagram,
+    SubgroupHeader,
+    SubgroupIdMode,
+    SubgroupWriter,
+    check_object_id,
+    encode_object_header,
+    encode_subgroup_header,
+    find_layer_digest,
+    immutable_extensions,
+    is_datagram_type,
+    is_subgroup_type,
+    layer_digest_extension,
+    object_status,
+    read_extensions,
+)
+from .wire import Bytes, Reader, as_byte_view
+
+__all__ = [
+    "KVSP_LAYER_DIGEST",
+    "LAYER_DIGEST_SIZE",
+    "DataStreamEvent",
+    "DataStreamParser",
+    "EndOfRange",
+    "FetchHeader",
+    "FetchStreamWriter",
+    "ObjectChunk",
+    "ObjectDatagram",
+    "ObjectEnd",
+    "ObjectStart",
+    "ObjectStatus",
+    "StreamFinished",
+    "StreamHeader",
+    "SubgroupHeader",
+    "SubgroupIdMode",
+    "SubgroupWriter",
+    "encode_object_header",
+    "encode_subgroup_header",
+    "find_layer_digest",
+    "immutable_extensions",
+    "is_datagram_type",
+    "is_subgroup_type",
+    "layer_digest_extension",
+]
+
+StreamHeader: TypeAlias = SubgroupHeader | FetchHeader
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectStart:
+    """An object's header fields (§10.2.1): what the stream said before the payload.
+
+    ``subgroup_id`` is None for an object fetched with Datagram forwarding preference;
+    ``publisher_priority`` None means "inherit" (DEFAULT_PRIORITY subgroup stream).
+    """
+
+    group_id: int
+    subgroup_id: int | None
+    object_id: int
+    publisher_priority: int | None
+    extensions: Extensions
+    payload_length: int
+    status: ObjectStatus = ObjectStatus.NORMAL
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectChunk:
+    """A piece of the current object's payload: a memoryview slice of the fed buffer.
+
+    ``offset`` is where ``data`` starts within the object's payload.
+    """
+
+    data: memoryview
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEnd:
+    """The current object's payload is complete."""
+
+    group_id: int
+    object_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndOfRange:
+    """FETCH End of Range (§10.4.4.2): objects up to this Location, inclusive, do not exist
+    (or, with ``unknown``, have unknown status)."""
+
+    group_id: int
+    object_id: int
+    unknown: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFinished:
+    """The stream ended with a FIN on an object boundary."""
+
+
+DataStreamEvent: TypeAlias = (
+    SubgroupHeader
+    | FetchHeader
+    | ObjectStart
+    | ObjectChunk
+    | ObjectEnd
+    | EndOfRange
+    | StreamFinished
+)
+_Unit: TypeAlias = SubgroupHeader | FetchHeader | ObjectStart | EndOfRange
+
+
+@dataclass(frozen=True, slots=True)
+class _Prior:
+    """What later FETCH objects may inherit from the prior one (§10.4.4.1)."""
+
+    group_id: int
+    object_id: int
+    subgroup_id: int | None
+    publisher_priority: int | None
+
+
+_MIN_WINDOW = 64
+
+
+class DataStreamParser:
+    """Incremental parser for one unidirectional data stream (SUBGROUP_HEADER or FETCH_HEADER).
+
+    Call :meth:`feed` with each chunk as it arrives; each call returns the events it completes.
+    """
+
+    __slots__ = ("_header", "_pending", "_payload_left", "_offset", "_current", "_last", "_done")
+
+    def __init__(self) -> None:
+        self._header: StreamHeader | None = None
+        self._pending = bytearray()  # a header split across feeds, never payload
+        self._payload_left = 0
+        self._offset = 0
+        self._current: ObjectStart | None = None
+        self._last: _Prior | None = None
+        self._done = False
+
+    @property
+    def header(self) -> StreamHeader | None:
+        """The stream header, once parsed."""
+        return self._header
+
+    def feed(self, data: Bytes, *, end_stream: bool = False) -> list[DataStreamEvent]:
+        """Consume ``data``; return the events it completes, in stream order.
+
+        Raises:
+            ProtocolViolation: an invalid stream type, field or object status, or a FIN inside
+                a header or a payload (§10.4).
+            KeyValueFormattingError: unparsable extension headers.
+            MalformedTrack: an object breaking the extension rules of §11.2–11.4.
+            ValueError: data fed after ``end_stream``.
+        """
+        if self._done:
+            raise ValueError("data stream already ended")
+        view = as_byte_view(data)
+        events: list[DataStreamEvent] = []
+        pos, end = 0, len(view)
+        while pos < end:
+            if self._payload_left:
+                pos = self._take_payload(view, pos, events)
+                continue
+            step = self._parse_unit(view, pos)
+            if step is None:
+                break
+            pos, unit = step
+            self._commit(unit, events)
+        if end_stream:
+            self._finish(events)
+        return events
+
+    def _take_payload(self, view: memoryview, pos: int, events: list[DataStreamEvent]) -> int:
+        take = min(self._payload_left, len(view) - pos)
+        events.append(ObjectChunk(view[pos : pos + take], self._offset))
+        self._offset += take
+        self._payload_left -= take
+        if not self._payload_left:
+            self._end_object(events)
+        return pos + take
+
+    def _parse_unit(self, view: memoryview, pos: int) -> tuple[int, _Unit] | None:
+        """Parse the next header unit at ``view[pos:]``; (new pos, unit) or None when short.
+
+        A unit split across feeds is finished in ``_pending`` by appending the new chunk a
+        doubling window at a time, so payload bytes after it are never copied.
+        """
+        if not self._pending:
+            result = self._attempt(view[pos:])
+            if result is None:
+                self._pending += view[pos:]
+                return None
+            return pos + result[1], result[0]
+        available = len(view) - pos
+        window = max(_MIN_WINDOW, len(self._pending))
+        taken = 0
+        while taken < available:
+            step = min(window, available - taken)
+            self._pending += view[pos + taken : pos + taken + step]
+            taken += step
+            result = self._attempt(self._pending)
+            if result is not None:
+                used = result[1] - (len(self._pending) - taken)
+                self._pending.clear()
+                return pos + used, result[0]
+            window *= 2
+        return None
+
+    def _attempt(self, data: Bytes) -> tuple[_Unit, int] | None:
+        reader = Reader(data)
+        try:
+            unit = self._read_unit(reader)
+        except NeedMoreData:
+            return None
+        return unit, reader.position
+
+    def _read_unit(self, reader: Reader) -> _Unit:
+        header = self._header
+        if header is None:
+            return _read_stream_header(reader)
+        if isinstance(header, SubgroupHeader):
+            return self._read_subgroup_object(header, reader)
+        return self._read_fetch_object(reader)
+
+    def _read_subgroup_object(self, header: SubgroupHeader, reader: Reader) -> ObjectStart:
+        """Subgroup object fields (§10.4.2, Figure 29)."""
+        delta = reader.read_varint()
+        last = self._last
+        object_id = check_object_id(delta if last is None else last.object_id + delta + 1)
+        extensions = read_extensions(reader) if header.has_extensions else ()
+        length = reader.read_varint()
+        status = ObjectStatus.NORMAL
+        if length == 0:
+            status = object_status(reader.read_varint())
+            if status != ObjectStatus.NORMAL and extensions:
+                # §10.2.1.2: extensions on a non-Normal object MUST be a PROTOCOL_VIOLATION
+                raise ProtocolViolation("extension headers on a status object")
+        subgroup = header.subgroup_id
+        if subgroup is None:  # FIRST_OBJECT mode: the first object's id names the subgroup
+            subgroup = object_id if last is None else last.subgroup_id
+        return ObjectStart(
+            group_id=header.group_id,
+            subgroup_id=subgroup,
+            object_id=object_id,
+            publisher_priority=header.publisher_priority,
+            extensions=extensions,
+            payload_length=length,
+            status=status,
+        )
+
+    def _read_fetch_object(self, reader: Reader) -> ObjectStart | EndOfRange:
+        """Fetch object fields after the Serialization Flags (§10.4.4, Figure 31)."""
+        flags = reader.read_varint()
+        if flags in (FETCH_END_OF_NON_EXISTENT_RANGE, FETCH_END_OF_UNKNOWN_RANGE):
+            group = reader.read_varint()
+            return EndOfRange(group, reader.read_varint(), flags == FETCH_END_OF_UNKNOWN_RANGE)
+        if flags >= 128:
+            raise ProtocolViolation(f"invalid fetch serialization flags {flags:#x}")
+        prior = self._last
+        group = reader.read_varint() if flags & FETCH_GROUP_ID else _prior(prior).group_id
+        subgroup = self._fetch_subgroup(flags, prior, reader)
+        if flags & FETCH_OBJECT_ID:
+            object_id = reader.read_varint()
+        else:
+            object_id = check_object_id(_prior(prior).object_id + 1)
+        if flags & FETCH_PRIORITY:
+            priority: int | None = reader.read_uint8()
+        else:
+            priority = _prior(prior).publisher_priority
+            if priority is None:
+                raise ProtocolViolation("fetch object inherits a priority no object set")
+        extensions = read_extensions(reader) if flags & FETCH_EXTENSIONS else ()
+        return ObjectStart(
+            group_id=group,
+            subgroup_id=subgroup,
+            object_id=object_id,
+            publisher_priority=priority,
+            extensions=extensions,
+            payload_length=reader.read_varint(),
+        )
+
+    @staticmethod
+    def _fetch_subgroup(flags: int, prior: _Prior | None, reader: Reader) -> int | None:
+        if flags & FETCH_DATAGRAM:
+            return None  # §10.4.4.1: a Datagram object has no subgroup; ignore the low bits
+        mode = flags & FETCH_SUBGROUP_MASK
+        if mode == FETCH_SUBGROUP_PRESENT:
+            return reader.read_varint()
+        if mode in (FETCH_SUBGROUP_PRIOR, FETCH_SUBGROUP_NEXT):
+            base = _prior(prior).subgroup_id
+            if base is None:
+                raise ProtocolViolation("fetch object inherits a subgroup the prior lacks")
+            return base if mode == FETCH_SUBGROUP_PRIOR else base + 1
+        return 0
+
+    def _commit(self, unit: _Unit, events: list[DataStreamEvent]) -> None:
+        events.append(unit)
+        if isinstance(unit, SubgroupHeader | FetchHeader):
+            self._header = unit
+        elif isinstance(unit, EndOfRange):
+            # the next object may inherit Group and Object ID from the range end
+            last = self._last
+            subgroup = None if last is None else last.subgroup_id
+            priority = None if last is None else last.publisher_priority
+            self._last = _Prior(unit.group_id, unit.object_id, subgroup, priority)
+        else:
+            self._last = _Prior(
+                unit.group_id, unit.object_id, unit.subgroup_id, unit.publisher_priority
+            )
+            self._current = unit
+            self._offset = 0
+            self._payload_left = unit.payload_length
+            if not unit.payload_length:
+                self._end_object(events)
+
+    def _end_object(self, events: list[DataStreamEvent]) -> None:
+        current = self._current
+        if current is not None:
+            events.append(ObjectEnd(current.group_id, current.object_id))
+        self._current = None
+
+    def _finish(self, events: list[DataStreamEvent]) -> None:
+        self._done = True
+        if self._header is None:
+            raise ProtocolViolation("stream ended before its header")
+        if self._payload_left or self._pending:
+            # §10.4: a FIN inside a serialized Object SHOULD be a PROTOCOL_VIOLATION
+            raise ProtocolViolation("stream ended inside an object")
+        events.append(StreamFinished())
+
+
+def _prior(prior: _Prior | None) -> _Prior:
+    if prior is None:
+        # §10.4.4.1: a first object that references the prior one MUST be a violation
+        raise ProtocolViolation("first fetch object references a prior object")
+    return prior
+
+
+def _read_stream_header(reader: Reader) -> StreamHeader:
+    """The stream type and header of a unidirectional stream (§10)."""
+    stream_type = reader.read_varint()
+    if stream_type == FETCH_HEADER_TYPE:
+        return FetchHeader(request_id=reader.read_varint())
+    if is_subgroup_type(stream_type):
+        return SubgroupHeader.read(stream_type, reader)
+    # §10: an unknown stream type MUST close the session
+    raise ProtocolViolation(f"unknown data stream type {stream_type:#x}")

@@ -16,6 +16,7 @@ from kvsp.container import (
 from kvsp.container_reader import ContainerReader
 from kvsp.errors import KVSPError
 from kvsp.keys import BlockKeyChain, block_keys, scope_id
+from kvsp.records import ReplicaRecord
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "Container",
     "ContainerReader",
     "KVSPError",
+    "ReplicaRecord",
     "__version__",
     "block_keys",
     "compat_id",

@@ -42,7 +42,7 @@ class Fields:
     __slots__ = ("obj", "path")
 
     def __init__(self, obj: object, path: str = "$") -> None:
-        if not isinstance(obj, Mapping):
+        if type(obj) is not dict and not isinstance(obj, Mapping):
             raise RecordError(f"expected an object, got {type_name(obj)}", path=path)
         self.obj: Mapping[str, Any] = obj
         self.path = path
@@ -113,7 +113,10 @@ class Fields:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise RecordError(f"expected a number, got {type_name(value)}", path=self.at(key))
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            raise RecordError("number out of range", path=self.at(key)) from None
         if number != number or number in (float("inf"), float("-inf")) or number < minimum:
             raise RecordError(f"must be a finite number >= {minimum}", path=self.at(key))
         return number

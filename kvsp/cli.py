@@ -150,7 +150,42 @@ def _cmd_help(parser: argparse.ArgumentParser) -> Handler:
     return show
 
 
-def build_parser() -> argparse.ArgumentParser:
+SERVICES: dict[str, tuple[str, str, int]] = {
+    # name: (module, help, default port)
+    "index": ("kvsp.services.index_app", "the Index Service (§6.1-6.2)", 8470),
+    "control": ("kvsp.services.control", "the control plane: IS and PC in one process", 8470),
+    "holder": ("kvsp.services.holder_app", "a block holder (§6.6-6.7)", 8471),
+}
+
+
+OPTIONAL_PACKAGES = {"torch", "safetensors", "redis"}
+
+
+def _add_serve_commands(sub: Any, load: bool) -> None:
+    """Add ``kvsp serve SERVICE``; service modules are imported only when ``load`` is true,
+    so the core commands start without importing the HTTP stack."""
+    import importlib
+
+    from kvsp.services.cliargs import add_common_arguments
+
+    serve = sub.add_parser("serve", help="run a KVSP service (kvsp serve -h lists them)")
+    if not load:
+        return
+    ssub = serve.add_subparsers(metavar="SERVICE", required=True)
+    for name, (module_name, help_text, port) in SERVICES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name not in OPTIONAL_PACKAGES and exc.name != module_name:
+                raise
+            continue  # the service needs an optional extra that is not installed
+        p = ssub.add_parser(name, help=help_text)
+        add_common_arguments(p, port)
+        module.configure_parser(p)
+        p.set_defaults(handler=module.run)
+
+
+def build_parser(load_services: bool = True) -> argparse.ArgumentParser:
     """Build the ``kvsp`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="kvsp", description="KV Cache Storage Protocol (KVSP) reference implementation"
@@ -189,12 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-file", required=True, nargs=2, action="append", metavar=("K", "V"))
     p.add_argument("-o", "--output", required=True, metavar="OUT")
     p.set_defaults(handler=_cmd_container_pack)
+    _add_serve_commands(sub, load_services)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvsp`` command; returns the exit status."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(load_services=argv[:1] == ["serve"])
     args = parser.parse_args(argv)
     try:
         status: int = args.handler(args)

@@ -154,7 +154,9 @@ SERVICES: dict[str, tuple[str, str, int]] = {
     # name: (module, help, default port)
     "index": ("kvsp.services.index_app", "the Index Service (§6.1-6.2)", 8470),
     "control": ("kvsp.services.control", "the control plane: IS and PC in one process", 8470),
+    "pc": ("kvsp.services.pc_app", "the Placement Controller alone (§6.3-6.5)", 8472),
     "holder": ("kvsp.services.holder_app", "a block holder (§6.6-6.7)", 8471),
+    "instance": ("kvsp.services.instance_app", "an inference instance agent (§6.3, §6.5)", 8473),
 }
 
 

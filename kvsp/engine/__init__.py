@@ -1,0 +1,17 @@
+"""The reference engine (DESIGN.md §5–6): a Llama-family decoder in torch with paged KV
+buffers, and the device sinks that take verified container layers into those buffers.
+
+torch is an optional extra, so this package file imports nothing; the submodules need it
+(``config`` and ``tokenizer`` do not):
+
+* :mod:`kvsp.engine.config` — ``config.json`` of a Llama checkpoint, its §4.1 ``positional``;
+* :mod:`kvsp.engine.tokenizer` — the byte-level tokenizer and its definition file;
+* :mod:`kvsp.engine.checkpoint` — load any Llama checkpoint, write a small seeded one, and
+  build its Compatibility Descriptor from the real files (§4.1);
+* :mod:`kvsp.engine.rope`, :mod:`kvsp.engine.model` — RoPE and the decoder;
+* :mod:`kvsp.engine.kvcache` — the paged KV tensor and per-(page, layer) readiness;
+* :mod:`kvsp.engine.sink` — :class:`DeviceSink` and the verifying block loaders (§4.3, §6.7);
+* :mod:`kvsp.engine.blocks` — pages out as KVB1 containers and back in;
+* :mod:`kvsp.engine.sampler` — samplers restorable from (method, params, seed, step) (§6.8);
+* :mod:`kvsp.engine.engine` — the :class:`Engine` facade.
+"""

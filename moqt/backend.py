@@ -1,0 +1,194 @@
+"""The QUIC backend seam: aioquic (default) or qh3, chosen per process.
+
+Both libraries share aioquic's shape (``QuicConfiguration``, a sans-I/O ``QuicConnection``, the
+same event classes), so the MOQT session runs on either. What differs, and lives here:
+
+* the event classes are distinct types per library (the session dispatches on this backend's);
+* qh3 raises ``ValueError`` when a new stream would pass the peer's stream-count limit, and the
+  failed send has already used the stream ID; aioquic queues the stream instead. Callers check
+  :meth:`Backend.can_open_stream` before opening one and never retry a failed send;
+* how many bytes a stream still holds for sending (aioquic: private sender state; qh3:
+  ``get_send_buffer_size``);
+* configuration knobs (aioquic has a congestion-control choice, qh3 probes the path MTU).
+
+The asyncio ``connect``/``serve`` of each library are reached from :mod:`moqt.asyncio`, the
+shell, so that this module stays free of I/O imports (house rule 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import ssl
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+from typing import Any, Protocol
+
+ALPN_MOQT_16 = "moqt-16"
+DEFAULT_SOCKET_BUFFER = 4 << 20  # perf.md: the default 212 KiB UDP buffer drops datagrams
+MAX_DATAGRAM_FRAME_SIZE = 65536  # d16 §3.1: QUIC DATAGRAM MUST be negotiated
+BACKENDS = ("aioquic", "qh3")
+AIOQUIC_MAX_DATAGRAM = 16384  # aioquic writes STREAM/CRYPTO lengths as 2-byte varints (< 16384)
+
+
+class QuicConnectionLike(Protocol):
+    """The part of ``QuicConnection`` the MOQT session uses (same in aioquic and qh3)."""
+
+    def send_stream_data(self, stream_id: int, data: Any, end_stream: bool = False) -> None:
+        """Queue stream data (bytes, bytearray or memoryview)."""
+
+    def get_next_available_stream_id(self, is_unidirectional: bool = False) -> int:
+        """The ID the next locally opened stream of that kind gets."""
+
+    def reset_stream(self, stream_id: int, error_code: int) -> None:
+        """Abort sending on a stream (RESET_STREAM)."""
+
+    def stop_stream(self, stream_id: int, error_code: int) -> None:
+        """Ask the peer to stop sending on a stream (STOP_SENDING)."""
+
+    def send_datagram_frame(self, data: bytes) -> None:
+        """Queue a DATAGRAM frame."""
+
+    def close(
+        self, error_code: int = 0, frame_type: int | None = None, reason_phrase: str = ""
+    ) -> None:
+        """Close the connection with an application error code."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportConfig:
+    """QUIC knobs shared by both backends; None keeps the library default.
+
+    ``socket_buffer`` is applied by :mod:`moqt.asyncio` as SO_RCVBUF/SO_SNDBUF on every QUIC
+    socket. ``congestion_control`` is honoured where the backend offers a choice (aioquic).
+    """
+
+    max_datagram_size: int | None = None
+    max_data: int | None = None
+    max_stream_data: int | None = None
+    congestion_control: str | None = None
+    idle_timeout: float | None = None
+    socket_buffer: int = DEFAULT_SOCKET_BUFFER
+    alpn_protocols: tuple[str, ...] = (ALPN_MOQT_16,)
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """One QUIC library: its configuration and connection classes and its event module."""
+
+    name: str
+    version: str
+    QuicConfiguration: Any
+    QuicConnection: Any
+    events: ModuleType
+
+    def configuration(
+        self,
+        *,
+        is_client: bool,
+        transport: TransportConfig | None = None,
+        certificate: str | None = None,
+        private_key: str | None = None,
+        cafile: str | None = None,
+        verify: bool = True,
+        server_name: str | None = None,
+    ) -> Any:
+        """A ``QuicConfiguration`` for MOQT (ALPN ``moqt-16``, DATAGRAM enabled).
+
+        ``certificate``/``private_key`` are PEM paths (a server needs them); ``cafile`` pins the
+        peer's certificate; ``verify`` False disables certificate checks (tests only).
+
+        Raises:
+            ValueError: a server configuration without a certificate and key, or a datagram
+                size the backend cannot use.
+        """
+        transport = transport or TransportConfig()
+        size = transport.max_datagram_size
+        if self.name == "aioquic" and size is not None and size > AIOQUIC_MAX_DATAGRAM:
+            raise ValueError(f"aioquic corrupts frames above {AIOQUIC_MAX_DATAGRAM}-byte datagrams")
+        config = self.QuicConfiguration(
+            is_client=is_client,
+            alpn_protocols=list(transport.alpn_protocols),
+            max_datagram_frame_size=MAX_DATAGRAM_FRAME_SIZE,
+        )
+        for name in ("max_datagram_size", "max_data", "max_stream_data", "idle_timeout"):
+            value = getattr(transport, name)
+            if value is not None:
+                setattr(config, name, value)
+        if transport.congestion_control is not None and hasattr(
+            config, "congestion_control_algorithm"
+        ):
+            config.congestion_control_algorithm = transport.congestion_control
+        if server_name is not None:
+            config.server_name = server_name
+        if certificate is not None:
+            config.load_cert_chain(certificate, private_key)
+        elif not is_client:
+            raise ValueError("a server configuration needs a certificate and a private key")
+        if cafile is not None:
+            config.load_verify_locations(cafile=cafile)
+        if not verify:
+            config.verify_mode = ssl.CERT_NONE
+        return config
+
+    def can_open_stream(self, quic: Any, *, unidirectional: bool) -> bool:
+        """Whether a new local stream stays within the peer's stream-count limit.
+
+        aioquic queues a stream past the limit, so it always answers True there; qh3 raises
+        instead, so its answer must be checked before the stream's first send.
+        """
+        if self.name != "qh3":
+            return True
+        limit = (
+            quic.max_concurrent_uni_streams if unidirectional else quic.max_concurrent_bidi_streams
+        )
+        return bool(quic.get_next_available_stream_id(unidirectional) >> 2 < limit)
+
+    def send_buffer_size(self, quic: Any, stream_id: int) -> int:
+        """Bytes the stream still holds in its send buffer (unsent, or unacknowledged)."""
+        if self.name == "qh3":
+            return int(quic.get_send_buffer_size(stream_id))
+        stream = quic._streams.get(stream_id)
+        if stream is None:
+            return 0
+        sender = stream.sender
+        return int(sender._buffer_stop - sender._buffer_start)
+
+
+def _load(name: str) -> Backend:
+    package = importlib.import_module(name)
+    configuration = importlib.import_module(f"{name}.quic.configuration")
+    connection = importlib.import_module(f"{name}.quic.connection")
+    events = importlib.import_module(f"{name}.quic.events")
+    return Backend(
+        name=name,
+        version=str(getattr(package, "__version__", "unknown")),
+        QuicConfiguration=configuration.QuicConfiguration,
+        QuicConnection=connection.QuicConnection,
+        events=events,
+    )
+
+
+@cache
+def get_backend(name: str = "aioquic") -> Backend:
+    """The backend called ``name`` ("aioquic" or "qh3"), loaded once per process.
+
+    Raises:
+        ValueError: an unknown name.
+        ImportError: the library is not installed (qh3 is an optional extra).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown QUIC backend {name!r}; expected one of {BACKENDS}")
+    return _load(name)
+
+
+def available_backends() -> list[str]:
+    """The backends importable in this environment, default first."""
+    found = []
+    for name in BACKENDS:
+        try:
+            get_backend(name)
+        except ImportError:
+            continue
+        found.append(name)
+    return found

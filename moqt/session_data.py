@@ -1,0 +1,591 @@
+"""The data plane of :class:`~moqt.session.MOQTSession`: objects on streams and datagrams (§10).
+
+Receiving: each unidirectional stream from the peer gets a
+:class:`~moqt.objects.DataStreamParser`; its events become session events tagged with the
+request the stream belongs to. A subgroup stream names a Track Alias, which SUBSCRIBE_OK (or
+PUBLISH) binds to a request; a stream that arrives before that binding is held, parsed, until
+the alias is bound. Payload chunks stay memoryview slices of the received data.
+
+Sending: ``open_subgroup`` / ``open_fetch_stream`` write the stream header; ``begin_object``
+writes an object's fields and ``write_payload`` its payload, in as many pieces as the caller
+likes, so a header is never concatenated with a large payload into a new buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .backend import Backend, QuicConnectionLike
+from .errors import MalformedTrack, ObjectStatus, ProtocolViolation, StreamResetCode
+from .messages import ControlMessage, FetchCancel, Unsubscribe
+from .objects import (
+    DataStreamEvent,
+    DataStreamParser,
+    EndOfRange,
+    FetchHeader,
+    FetchStreamWriter,
+    ObjectChunk,
+    ObjectDatagram,
+    ObjectStart,
+    StreamFinished,
+    SubgroupHeader,
+    SubgroupIdMode,
+    SubgroupWriter,
+)
+from .objects import ObjectEnd as ParsedObjectEnd
+from .session_events import (
+    DatagramReceived,
+    DataStreamFinished,
+    DataStreamReset,
+    DataStreamStopped,
+    EndOfRangeReceived,
+    FetchStreamOpened,
+    MalformedTrackDetected,
+    MOQTEvent,
+    ObjectData,
+    ObjectEnd,
+    ObjectHeader,
+    SubgroupStreamOpened,
+)
+from .session_state import (
+    LocalProtocolError,
+    Request,
+    RequestKind,
+    RequestState,
+    RequestTable,
+    Signal,
+    StreamClosedError,
+    StreamsBlockedError,
+)
+from .wire import Bytes, KeyValuePair
+
+DEFAULT_PRIORITY = 128  # §7.1: publisher priority when nothing else is said
+HELD_BYTES_MAX = 8 << 20  # streams held for an unbound alias; past this they are stopped
+
+
+@dataclass(slots=True)
+class _InStream:
+    """A unidirectional stream the peer sends us."""
+
+    parser: DataStreamParser = field(default_factory=DataStreamParser)
+    request_id: int | None = None
+    track_alias: int | None = None
+    held: list[DataStreamEvent] | None = None  # events kept until the alias is bound
+    held_bytes: int = 0
+    ignored: bool = False
+    ended: bool = False  # the FIN was fed to the parser
+
+
+@dataclass(slots=True)
+class _OutStream:
+    """A data stream we send."""
+
+    request_id: int
+    writer: SubgroupWriter | FetchStreamWriter
+    payload_left: int = 0
+    closed: bool = False
+
+
+class DataPlane:
+    """Mixin: data streams and datagrams. :class:`~moqt.session.MOQTSession` provides the
+    attributes declared here."""
+
+    _quic: QuicConnectionLike
+    _backend: Backend
+    requests: RequestTable
+    _in_streams: dict[int, _InStream]
+    _out_streams: dict[int, _OutStream]
+    _aliases_in: dict[int, int]  # Track Alias of incoming objects -> request id
+    _held_by_alias: dict[int, list[int]]  # alias -> stream ids held for it
+
+    if TYPE_CHECKING:  # provided by MOQTSession
+
+        def _send_control(self, message: ControlMessage) -> None: ...
+
+    def _init_data_plane(self) -> None:
+        self._in_streams = {}
+        self._out_streams = {}
+        self._aliases_in = {}
+        self._held_by_alias = {}
+
+    # --- receiving ---------------------------------------------------------------------------
+
+    def _on_data_stream(
+        self, stream_id: int, data: bytes, end_stream: bool, out: list[MOQTEvent]
+    ) -> None:
+        stream = self._in_streams.get(stream_id)
+        if stream is None:
+            stream = self._in_streams[stream_id] = _InStream()
+        if stream.ignored:
+            if end_stream:
+                del self._in_streams[stream_id]
+            return
+        stream.ended = end_stream
+        try:
+            parsed = stream.parser.feed(data, end_stream=end_stream)
+        except MalformedTrack as exc:
+            self._malformed(stream_id, stream, exc.reason, out)
+            return
+        for event in parsed:
+            self._route(stream_id, stream, event, out)
+        if end_stream and stream.held is None:
+            self._in_streams.pop(stream_id, None)
+
+    def _route(
+        self, stream_id: int, stream: _InStream, event: DataStreamEvent, out: list[MOQTEvent]
+    ) -> None:
+        if isinstance(event, SubgroupHeader):
+            self._open_subgroup_in(stream_id, stream, event, out)
+        elif isinstance(event, FetchHeader):
+            self._open_fetch_in(stream_id, stream, event.request_id, out)
+        elif stream.held is not None:
+            stream.held.append(event)
+            if isinstance(event, ObjectChunk):
+                stream.held_bytes += len(event.data)
+                if stream.held_bytes > HELD_BYTES_MAX:
+                    self._drop_held(stream_id, stream)
+        elif stream.request_id is not None and not stream.ignored:
+            self._emit(stream_id, stream, stream.request_id, event, out)
+
+    def _open_subgroup_in(
+        self, stream_id: int, stream: _InStream, header: SubgroupHeader, out: list[MOQTEvent]
+    ) -> None:
+        alias = stream.track_alias = header.track_alias
+        request_id = self._aliases_in.get(alias)
+        if request_id is None:
+            stream.held = [header]  # §10.4.2: the SUBSCRIBE_OK may still be on its way
+            self._held_by_alias.setdefault(alias, []).append(stream_id)
+            return
+        stream.request_id = request_id
+        out.append(SubgroupStreamOpened(stream_id, request_id, header))
+
+    def _open_fetch_in(
+        self, stream_id: int, stream: _InStream, request_id: int, out: list[MOQTEvent]
+    ) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            if not self.requests.ids.is_past_local(request_id):
+                raise ProtocolViolation(f"FETCH_HEADER names request {request_id}, not our fetch")
+            stream.ignored = True  # a fetch we cancelled
+            self._quic.stop_stream(stream_id, StreamResetCode.CANCELLED)
+            return
+        if request.kind != RequestKind.FETCH or not request.local:
+            raise ProtocolViolation(f"FETCH_HEADER names {request.kind.name} {request_id}")
+        stream.request_id = request_id
+        out.append(FetchStreamOpened(stream_id, request_id))
+
+    def _emit(
+        self,
+        stream_id: int,
+        stream: _InStream,
+        request_id: int,
+        event: DataStreamEvent,
+        out: list[MOQTEvent],
+    ) -> None:
+        if isinstance(event, ObjectChunk):
+            out.append(ObjectData(stream_id, request_id, event.data, event.offset))
+        elif isinstance(event, ObjectStart):
+            out.append(ObjectHeader(stream_id, request_id, stream.track_alias, event))
+        elif isinstance(event, ParsedObjectEnd):
+            out.append(ObjectEnd(stream_id, request_id, event.group_id, event.object_id))
+        elif isinstance(event, EndOfRange):
+            out.append(
+                EndOfRangeReceived(
+                    stream_id, request_id, event.group_id, event.object_id, event.unknown
+                )
+            )
+        elif isinstance(event, StreamFinished):
+            if stream.track_alias is None:  # a fetch stream: the fetch is complete
+                self.requests.apply(request_id, Signal.FETCH_COMPLETE, by_local=False)
+            out.append(DataStreamFinished(stream_id, request_id))
+
+    def _bind_alias(self, alias: int, request_id: int, out: list[MOQTEvent]) -> None:
+        """Route the Track Alias to ``request_id`` and release streams held for it."""
+        self._aliases_in[alias] = request_id
+        for stream_id in self._held_by_alias.pop(alias, []):
+            stream = self._in_streams.get(stream_id)
+            if stream is None or stream.held is None:
+                continue
+            held, stream.held, stream.request_id = stream.held, None, request_id
+            for event in held:
+                if isinstance(event, SubgroupHeader):
+                    out.append(SubgroupStreamOpened(stream_id, request_id, event))
+                else:
+                    self._emit(stream_id, stream, request_id, event, out)
+            if stream.ended:
+                del self._in_streams[stream_id]
+
+    def _alias_in_use(self, alias: int) -> bool:
+        """True when an open subscription receives objects with this Track Alias."""
+        request_id = self._aliases_in.get(alias)
+        return request_id is not None and request_id in self.requests
+
+    def _drop_held(self, stream_id: int, stream: _InStream) -> None:
+        stream.held, stream.ignored = None, True
+        self._quic.stop_stream(stream_id, StreamResetCode.INTERNAL_ERROR)
+
+    def _malformed(
+        self, stream_id: int, stream: _InStream, reason: str, out: list[MOQTEvent]
+    ) -> None:
+        """§11: a malformed track ends the subscription or fetch, not the session."""
+        stream.ignored, stream.held = True, None
+        self._quic.stop_stream(stream_id, StreamResetCode.MALFORMED_TRACK)
+        request_id = stream.request_id
+        header = stream.parser.header  # the error may come in the feed that held the header
+        if request_id is None and isinstance(header, SubgroupHeader):
+            request_id = self._aliases_in.get(header.track_alias)
+        elif request_id is None and isinstance(header, FetchHeader):
+            request_id = header.request_id
+        if request_id is None:
+            return
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._cancel_malformed(request)
+        out.append(MalformedTrackDetected(request_id, stream_id, reason))
+
+    def _cancel_malformed(self, request: Request) -> None:
+        kind, request_id = request.kind, request.request_id
+        if kind == RequestKind.FETCH and request.local:
+            self.requests.apply(request_id, Signal.FETCH_CANCEL, by_local=True)
+            self._send_control(FetchCancel(request_id=request_id))
+        elif kind in (RequestKind.SUBSCRIBE, RequestKind.PUBLISH):
+            if kind == RequestKind.PUBLISH and request.state != RequestState.ESTABLISHED:
+                return
+            self.requests.apply(request_id, Signal.UNSUBSCRIBE, by_local=True)
+            self._send_control(Unsubscribe(request_id=request_id))
+
+    def _on_data_stream_reset(self, stream_id: int, error_code: int, out: list[MOQTEvent]) -> None:
+        stream = self._in_streams.pop(stream_id, None)
+        request_id = None if stream is None else stream.request_id
+        if stream is not None and request_id is not None and stream.track_alias is None:
+            self.requests.apply(request_id, Signal.FETCH_COMPLETE, by_local=False)
+        out.append(DataStreamReset(stream_id, request_id, error_code))
+
+    def _on_stop_sending(self, stream_id: int, error_code: int, out: list[MOQTEvent]) -> None:
+        stream = self._out_streams.pop(stream_id, None)
+        if stream is None or stream.closed:
+            return
+        stream.closed = True
+        self._quic.reset_stream(stream_id, error_code)
+        out.append(DataStreamStopped(stream_id, stream.request_id, error_code))
+
+    def _on_datagram(self, data: bytes, out: list[MOQTEvent]) -> None:
+        try:
+            datagram = ObjectDatagram.decode(data)
+        except MalformedTrack:
+            return  # one lost datagram; datagrams carry no delivery promise
+        request_id = self._aliases_in.get(datagram.track_alias)
+        if request_id is not None:  # an unknown alias may precede its SUBSCRIBE_OK: drop
+            out.append(DatagramReceived(request_id, datagram))
+
+    # --- sending -------------------------------------------------------------------------------
+
+    def _publishing(self, request_id: int) -> Request:
+        """The open request whose objects we publish: a SUBSCRIBE we accepted, or our PUBLISH."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise LocalProtocolError(f"request {request_id} is not open")
+        accepted = request.kind == RequestKind.SUBSCRIBE and not request.local
+        if accepted and request.state == RequestState.ESTABLISHED:
+            return request
+        if request.kind == RequestKind.PUBLISH and request.local:
+            return request
+        raise LocalProtocolError(f"we do not publish objects for request {request_id}")
+
+    def _open_stream(self) -> int:
+        if not self._backend.can_open_stream(self._quic, unidirectional=True):
+            raise StreamsBlockedError("the peer's unidirectional stream limit is reached")
+        return self._quic.get_next_available_stream_id(is_unidirectional=True)
+
+    def can_open_data_stream(self) -> bool:
+        """Whether a data stream can be opened now without passing the peer's stream limit."""
+        return self._backend.can_open_stream(self._quic, unidirectional=True)
+
+    def open_subgroup(
+        self,
+        request_id: int,
+        group_id: int,
+        *,
+        subgroup_id: int = 0,
+        publisher_priority: int | None = DEFAULT_PRIORITY,
+        extensions: bool = True,
+        end_of_group: bool = False,
+    ) -> int:
+        """Open a subgroup stream (§10.4.2) for a subscription we serve; returns its stream ID.
+
+        ``extensions`` makes every object carry an Extensions field; ``end_of_group`` says the
+        FIN ends the group.
+
+        Raises:
+            LocalProtocolError: the request is not one whose objects we publish.
+            StreamsBlockedError: the peer's stream limit is reached (wait, then retry).
+        """
+        request = self._publishing(request_id)
+        if request.track_alias is None:
+            raise LocalProtocolError(f"request {request_id} has no track alias")
+        header = SubgroupHeader(
+            track_alias=request.track_alias,
+            group_id=group_id,
+            subgroup_id_mode=SubgroupIdMode.ZERO if subgroup_id == 0 else SubgroupIdMode.EXPLICIT,
+            subgroup_id=subgroup_id,
+            publisher_priority=publisher_priority,
+            has_extensions=extensions,
+            end_of_group=end_of_group,
+        )
+        writer = SubgroupWriter(header)
+        stream_id = self._open_stream()
+        self._quic.send_stream_data(stream_id, writer.header_bytes())
+        self._out_streams[stream_id] = _OutStream(request_id, writer)
+        request.streams_opened += 1
+        return stream_id
+
+    def open_fetch_stream(self, request_id: int) -> int:
+        """Open the response stream (§10.4.4) of a FETCH we answered with ``fetch_ok``.
+
+        Raises:
+            LocalProtocolError: no such established fetch from the peer.
+            StreamsBlockedError: the peer's stream limit is reached (wait, then retry).
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.kind != RequestKind.FETCH or request.local:
+            raise LocalProtocolError(f"request {request_id} is not a fetch from the peer")
+        if request.state != RequestState.ESTABLISHED:
+            raise LocalProtocolError(f"fetch {request_id}: send FETCH_OK first")
+        writer = FetchStreamWriter(request_id)
+        stream_id = self._open_stream()
+        self._quic.send_stream_data(stream_id, writer.header_bytes())
+        self._out_streams[stream_id] = _OutStream(request_id, writer)
+        return stream_id
+
+    def _writable(self, stream_id: int) -> _OutStream:
+        stream = self._out_streams.get(stream_id)
+        if stream is None or stream.closed:
+            raise StreamClosedError(f"data stream {stream_id} is not open")
+        return stream
+
+    def begin_object(
+        self,
+        stream_id: int,
+        object_id: int,
+        payload_length: int,
+        *,
+        extensions: Sequence[KeyValuePair] = (),
+        status: ObjectStatus = ObjectStatus.NORMAL,
+    ) -> None:
+        """Write a subgroup object's fields; its ``payload_length`` bytes follow by
+        :meth:`write_payload`.
+
+        Raises:
+            StreamClosedError: the stream is closed.
+            LocalProtocolError: the previous object's payload is incomplete, or this is a fetch
+                stream.
+            ValueError: Object IDs not ascending, or extensions the stream type cannot carry.
+        """
+        stream = self._writable(stream_id)
+        writer = stream.writer
+        if stream.payload_left or not isinstance(writer, SubgroupWriter):
+            raise LocalProtocolError(f"stream {stream_id}: cannot start a subgroup object now")
+        fields = writer.object_header(
+            object_id, payload_length, extensions=extensions, status=status
+        )
+        self._quic.send_stream_data(stream_id, fields)
+        stream.payload_left = payload_length
+
+    def begin_fetch_object(
+        self,
+        stream_id: int,
+        *,
+        group_id: int,
+        object_id: int,
+        payload_length: int,
+        subgroup_id: int | None = 0,
+        publisher_priority: int = DEFAULT_PRIORITY,
+        extensions: Sequence[KeyValuePair] = (),
+    ) -> None:
+        """Write a fetched object's fields (§10.4.4); the payload follows by
+        :meth:`write_payload`.
+
+        Raises:
+            StreamClosedError: the stream is closed.
+            LocalProtocolError: the previous payload is incomplete, or not a fetch stream.
+        """
+        stream = self._writable(stream_id)
+        writer = stream.writer
+        if stream.payload_left or not isinstance(writer, FetchStreamWriter):
+            raise LocalProtocolError(f"stream {stream_id}: cannot start a fetch object now")
+        fields = writer.object_header(
+            group_id=group_id,
+            object_id=object_id,
+            subgroup_id=subgroup_id,
+            publisher_priority=publisher_priority,
+            payload_length=payload_length,
+            extensions=extensions,
+        )
+        self._quic.send_stream_data(stream_id, fields)
+        stream.payload_left = payload_length
+
+    def write_payload(self, stream_id: int, data: Bytes, *, end_stream: bool = False) -> None:
+        """Send the next piece of the current object's payload (passed on without copying).
+
+        ``end_stream`` (allowed once the payload is complete) sends the FIN with it.
+
+        Raises:
+            StreamClosedError: the stream is closed.
+            LocalProtocolError: more bytes than the object has left, or a FIN before its end.
+        """
+        stream = self._writable(stream_id)
+        size = len(data)
+        if size > stream.payload_left:
+            raise LocalProtocolError(f"stream {stream_id}: {size} bytes, object has fewer left")
+        if end_stream and size != stream.payload_left:
+            raise LocalProtocolError(f"stream {stream_id}: FIN inside an object")
+        stream.payload_left -= size
+        self._quic.send_stream_data(stream_id, data, end_stream)
+        if end_stream:
+            self._close_out(stream_id, stream)
+
+    def send_object(
+        self,
+        stream_id: int,
+        object_id: int,
+        payload: Bytes,
+        *,
+        extensions: Sequence[KeyValuePair] = (),
+        end_stream: bool = False,
+    ) -> None:
+        """One whole subgroup object: its fields, then ``payload`` as a separate write.
+
+        Raises:
+            see :meth:`begin_object` and :meth:`write_payload`.
+        """
+        self.begin_object(stream_id, object_id, len(payload), extensions=extensions)
+        if payload:
+            self.write_payload(stream_id, payload, end_stream=end_stream)
+        elif end_stream:
+            self.finish_stream(stream_id)
+
+    def send_fetch_object(
+        self,
+        stream_id: int,
+        *,
+        group_id: int,
+        object_id: int,
+        payload: Bytes,
+        subgroup_id: int | None = 0,
+        publisher_priority: int = DEFAULT_PRIORITY,
+        extensions: Sequence[KeyValuePair] = (),
+        end_stream: bool = False,
+    ) -> None:
+        """One whole fetched object.
+
+        Raises:
+            see :meth:`begin_fetch_object` and :meth:`write_payload`.
+        """
+        self.begin_fetch_object(
+            stream_id,
+            group_id=group_id,
+            object_id=object_id,
+            payload_length=len(payload),
+            subgroup_id=subgroup_id,
+            publisher_priority=publisher_priority,
+            extensions=extensions,
+        )
+        if payload:
+            self.write_payload(stream_id, payload, end_stream=end_stream)
+        elif end_stream:
+            self.finish_stream(stream_id)
+
+    def send_end_of_range(
+        self, stream_id: int, group_id: int, object_id: int, *, unknown: bool = False
+    ) -> None:
+        """A FETCH End of Range marker (§10.4.4.2).
+
+        Raises:
+            StreamClosedError: the stream is closed.
+            LocalProtocolError: inside an object, or not a fetch stream.
+        """
+        stream = self._writable(stream_id)
+        writer = stream.writer
+        if stream.payload_left or not isinstance(writer, FetchStreamWriter):
+            raise LocalProtocolError(f"stream {stream_id}: cannot end a range now")
+        self._quic.send_stream_data(
+            stream_id, writer.end_of_range(group_id, object_id, unknown=unknown)
+        )
+
+    def finish_stream(self, stream_id: int) -> None:
+        """FIN the data stream on an object boundary.
+
+        Raises:
+            StreamClosedError: the stream is closed.
+            LocalProtocolError: inside an object (§10.4: a FIN mid-object is a violation).
+        """
+        stream = self._writable(stream_id)
+        if stream.payload_left:
+            raise LocalProtocolError(f"stream {stream_id}: FIN inside an object")
+        self._quic.send_stream_data(stream_id, b"", True)
+        self._close_out(stream_id, stream)
+
+    def reset_data_stream(
+        self, stream_id: int, error_code: int = StreamResetCode.INTERNAL_ERROR
+    ) -> None:
+        """Abort a data stream we send (RESET_STREAM with a §10.4.3 code); no-op when closed."""
+        stream = self._out_streams.pop(stream_id, None)
+        if stream is not None and not stream.closed:
+            stream.closed = True
+            self._quic.reset_stream(stream_id, error_code)
+
+    def _close_out(self, stream_id: int, stream: _OutStream) -> None:
+        stream.closed = True
+        del self._out_streams[stream_id]
+        request = self.requests.get(stream.request_id)
+        if isinstance(stream.writer, FetchStreamWriter) and request is not None:
+            self.requests.apply(stream.request_id, Signal.FETCH_COMPLETE, by_local=True)
+
+    def _reset_streams_of(self, request_id: int, error_code: int) -> None:
+        for stream_id, stream in list(self._out_streams.items()):
+            if stream.request_id == request_id:
+                self.reset_data_stream(stream_id, error_code)
+
+    def send_buffered(self, stream_id: int) -> int:
+        """Bytes of a stream still held by QUIC (for flow-control aware senders)."""
+        return self._backend.send_buffer_size(self._quic, stream_id)
+
+    def open_data_streams(self, request_id: int | None = None) -> list[int]:
+        """Our open data streams (of one request, or all)."""
+        return [
+            stream_id
+            for stream_id, stream in self._out_streams.items()
+            if request_id is None or stream.request_id == request_id
+        ]
+
+    def send_datagram(
+        self,
+        request_id: int,
+        group_id: int,
+        object_id: int,
+        payload: Bytes,
+        *,
+        publisher_priority: int | None = DEFAULT_PRIORITY,
+        extensions: Sequence[KeyValuePair] = (),
+        end_of_group: bool = False,
+    ) -> None:
+        """One OBJECT_DATAGRAM (§10.3.1) for a subscription we serve.
+
+        Raises:
+            LocalProtocolError: the request is not one whose objects we publish.
+        """
+        request = self._publishing(request_id)
+        if request.track_alias is None:
+            raise LocalProtocolError(f"request {request_id} has no track alias")
+        datagram = ObjectDatagram(
+            track_alias=request.track_alias,
+            group_id=group_id,
+            object_id=object_id,
+            publisher_priority=publisher_priority,
+            extensions=tuple(extensions),
+            end_of_group=end_of_group,
+            payload=payload,
+        )
+        self._quic.send_datagram_frame(datagram.encode())

@@ -1,0 +1,197 @@
+"""moqt.asyncio: MOQT over real UDP on 127.0.0.1, for each QUIC backend installed."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from moqt.asyncio import (
+    MOQTConnection,
+    RequestRejected,
+    SessionClosedError,
+    connect,
+    serve,
+)
+from moqt.backend import get_backend
+from moqt.certs import make_self_signed
+from moqt.errors import PublishDoneCode, RequestErrorCode
+from moqt.messages import StandaloneFetch
+from moqt.objects import find_layer_digest, layer_digest_extension
+from moqt.session_events import FetchReceived, SubscribeReceived
+from moqt.wire import Location
+
+NS = (b"kvsp", b"1", b"c0", b"s0", b"k0")
+TRACK = b"d" * 64
+LAYER = 64 * 1024
+LAYERS = [hashlib.sha256(b"layer%d" % i).digest() * (LAYER // 32) for i in range(32)]
+BLOCK = b"".join(LAYERS)  # 2 MiB
+MANY = b"many-groups"  # one stream per group, more than the peer's stream limit
+STREAMS = 300
+
+BACKENDS = [
+    "aioquic",
+    pytest.param(
+        "qh3",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("qh3") is None, reason="qh3 (extra quic-fast) not installed"
+        ),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def cert_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_self_signed("localhost", tmp_path_factory.mktemp("certs"))
+
+
+async def publisher(connection: MOQTConnection) -> None:
+    """Serve FETCH of LAYERS and SUBSCRIBE of 4 layers; refuse other tracks."""
+    async for event in connection.requests():
+        if isinstance(event, FetchReceived):
+            await serve_fetch(connection, event)
+        elif isinstance(event, SubscribeReceived):
+            await serve_subscribe(connection, event)
+
+
+async def serve_fetch(connection: MOQTConnection, event: FetchReceived) -> None:
+    target = event.message.target
+    if not isinstance(target, StandaloneFetch) or target.track_name != TRACK:
+        connection.session.request_error(event.request_id, RequestErrorCode.DOES_NOT_EXIST)
+        connection.transmit()
+        return
+    first, last = target.start.object, target.end.object - 1
+    connection.session.fetch_ok(event.request_id, end_location=Location(0, last))
+    stream_id = await connection.open_fetch_stream(event.request_id)
+    for index in range(first, last + 1):
+        extension = layer_digest_extension(hashlib.sha256(LAYERS[index]).digest())
+        await connection.send_fetch_object(
+            stream_id,
+            group_id=0,
+            object_id=index,
+            payload=memoryview(LAYERS[index]),
+            extensions=[extension],
+            end_stream=index == last,
+        )
+
+
+async def serve_subscribe(connection: MOQTConnection, event: SubscribeReceived) -> None:
+    if event.message.track_name == MANY:
+        await serve_many_groups(connection, event.request_id)
+        return
+    if event.message.track_name != TRACK:
+        connection.session.request_error(event.request_id, RequestErrorCode.DOES_NOT_EXIST, "no")
+        connection.transmit()
+        return
+    connection.session.subscribe_ok(event.request_id)
+    stream_id = await connection.open_subgroup(event.request_id, 0, end_of_group=True)
+    for index in range(4):
+        await connection.send_object(stream_id, index, LAYERS[index], end_stream=index == 3)
+    connection.session.publish_done(event.request_id, PublishDoneCode.TRACK_ENDED)
+    connection.transmit()
+
+
+async def serve_many_groups(connection: MOQTConnection, request_id: int) -> None:
+    connection.session.subscribe_ok(request_id)
+    for group in range(STREAMS):
+        if request_id not in connection.session.requests:
+            return  # the subscriber left
+        stream_id = await connection.open_subgroup(request_id, group)
+        await connection.send_object(stream_id, 0, b"g%d" % group, end_stream=True)
+    connection.session.publish_done(request_id, PublishDoneCode.TRACK_ENDED)
+    connection.transmit()
+
+
+def run_client(
+    backend: str,
+    certs: tuple[Path, Path],
+    client: Callable[[MOQTConnection], Awaitable[None]],
+) -> None:
+    async def main() -> None:
+        quic = get_backend(backend)
+        cert, key = certs
+        server_config = quic.configuration(
+            is_client=False, certificate=str(cert), private_key=str(key)
+        )
+        server = await serve(
+            "127.0.0.1", 0, configuration=server_config, handler=publisher, backend=backend
+        )
+        try:
+            client_config = quic.configuration(
+                is_client=True, cafile=str(cert), server_name="localhost"
+            )
+            host, port = server.address
+            async with connect(
+                host, port, configuration=client_config, backend=backend, path="/kvsp"
+            ) as connection:
+                await asyncio.wait_for(client(connection), 20)
+        finally:
+            server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fetch_a_2_mib_block_byte_exact(backend: str, cert_pair: tuple[Path, Path]) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 32))
+        assert response.ok.end_location == Location(0, 31)
+        objects = [obj async for obj in response.track.objects()]
+        assert [obj.object_id for obj in objects] == list(range(32))
+        for obj in objects:
+            assert find_layer_digest(obj.extensions) == hashlib.sha256(obj.payload).digest()
+        assert b"".join(obj.payload for obj in objects) == BLOCK
+
+    run_client(backend, cert_pair, client)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_subscribe_until_publish_done(backend: str, cert_pair: tuple[Path, Path]) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        subscription = await connection.subscribe(NS, TRACK)
+        objects = [obj async for obj in subscription.track.objects()]
+        assert [bytes(obj.payload) for obj in objects] == LAYERS[:4]
+
+    run_client(backend, cert_pair, client)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_refused_requests_raise(backend: str, cert_pair: tuple[Path, Path]) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        with pytest.raises(RequestRejected) as info:
+            await connection.subscribe(NS, b"missing")
+        assert info.value.error_code == RequestErrorCode.DOES_NOT_EXIST
+        with pytest.raises(RequestRejected):
+            await connection.fetch(NS, b"missing", Location(0, 0), Location(0, 1))
+        connection.close()
+        with pytest.raises(SessionClosedError):
+            await connection.subscribe(NS, TRACK)
+
+    run_client(backend, cert_pair, client)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_more_streams_than_the_peer_allows_at_once(
+    backend: str, cert_pair: tuple[Path, Path]
+) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        subscription = await connection.subscribe(NS, MANY)
+        groups = [obj.group_id async for obj in subscription.track.objects()]
+        assert sorted(groups) == list(range(STREAMS))
+
+    run_client(backend, cert_pair, client)
+
+
+def test_unsubscribe_ends_the_reader(cert_pair: tuple[Path, Path]) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        subscription = await connection.subscribe(NS, MANY)
+        connection.unsubscribe(subscription.request_id)
+        async for _ in subscription.track.objects():
+            pass  # whatever arrived before the UNSUBSCRIBE; then the reader ends
+        assert subscription.track.ended
+
+    run_client("aioquic", cert_pair, client)

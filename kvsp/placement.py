@@ -31,11 +31,12 @@ The §6.4 formulas, as computed here for an instance ``i``:
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from kvsp.errors import BadRequest
 from kvsp.registries import InstanceState
@@ -126,17 +127,28 @@ class FetchInputs:
 
 
 def _portions(replica: ReplicaLike, layers: int | None) -> _Portions:
-    size = float(replica.size)
-    residency = replica.residency
+    digests = replica.layer_digests
+    count = None if digests is None else len(digests)
+    try:
+        return _cached_portions(replica.size, replica.residency, count, layers)
+    except TypeError:  # an unhashable residency sequence: compute it directly
+        return _compute_portions(replica.size, replica.residency, count, layers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_portions(size: int, residency: Any, count: int | None, layers: int | None) -> _Portions:
+    # Replicas repeat the same few (size, tier split) shapes; this was most of a placement.
+    return _compute_portions(size, residency, count, layers)
+
+
+def _compute_portions(
+    size_octets: int, residency: Any, count: int | None, layers: int | None
+) -> _Portions:
+    size = float(size_octets)
     if not residency or all(entry.read_mbit_per_s is None for entry in residency):
         return ((math.inf, size),)  # every layer moves at the link rate
-    digests = replica.layer_digests
-    if digests is not None:
-        count = len(digests)
-    elif layers is not None:
-        count = layers
-    else:
-        count = max(entry.last for entry in residency) + 1
+    if count is None:
+        count = layers if layers is not None else max(entry.last for entry in residency) + 1
     if count <= 0:
         return ((math.inf, size),)
     by_cap: dict[float, int] = {}

@@ -1,0 +1,379 @@
+"""The Index Service logic (spec §6.1 publishing and withdrawing, §6.2 lookup, §6.3 status epochs
+as the IS keeps them, §6.4 estimates for lookup targets; DESIGN.md §3, §7 compact answers).
+
+Sans-I/O: :class:`IndexService` works over a :class:`~kvsp.stores.base.ReplicaStore`, takes
+``now_ms`` as an argument and asks a :class:`Caller` what the authenticated party may do, so the
+rules of who may do what stay in one place (the service shell's auth module). Methods are
+``async`` only because stores may be remote.
+
+Authorization never leaks: a lookup in a scope the caller may not use is answered exactly like a
+miss in a scope holding nothing (§6.2 "MUST NOT return replicas of a scope for which the client
+is not authorized").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvsp.compat import CompatibilityDescriptor
+from kvsp.errors import BadRequest, Forbidden, KVSPError, PayloadTooLarge, StaleEpoch
+from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.placement import estimate_targets
+from kvsp.records import (
+    InstanceStatusRecord,
+    LookupRequest,
+    LookupResponse,
+    ReplicaRecord,
+    StateAnswer,
+    TargetEstimate,
+)
+from kvsp.stores.base import ReplicaStore, StoredReplica, holder_id_of
+
+DEFAULT_MAX_LOOKUP_KEYS = 65_536
+"""Keys per lookup: a 1M-token prompt at B=16. The request is ~4.4 MB of JSON; a full answer
+grows by ~2.7 KB per replica of 32 layers, which is why compact answers exist (DESIGN §7)."""
+HINT_IDS = 3
+"""Compat ids a hint lists before "(+N more)", keeping it under the 1,024-character limit."""
+_DESCRIPTOR_ADVICE = "check the model, tokenizer, adapters, kv_dtype and block_tokens"
+
+
+class Caller(Protocol):
+    """What the IS asks about the authenticated party of a request."""
+
+    @property
+    def name(self) -> str:
+        """A name for error messages."""
+        ...
+
+    def may_use_scope(self, scope_id: bytes) -> bool:
+        """Whether it may read and write replicas of ``scope_id`` (§6.1, §6.2)."""
+        ...
+
+    def may_publish_for(self, holder: str) -> bool:
+        """Whether it may publish records naming ``holder`` (§6.1)."""
+        ...
+
+    def may_publish_for_id(self, holder_id: bytes) -> bool:
+        """Whether it may publish for the holder whose ``uri_id`` is ``holder_id``."""
+        ...
+
+    def may_report_for(self, instance: str) -> bool:
+        """Whether it may report the status of ``instance`` (§6.3)."""
+        ...
+
+
+class DescriptorSource(Protocol):
+    """Where the IS finds the descriptor of a compat id (geometry for §6.4 estimates)."""
+
+    def get(self, compat_id: bytes, /) -> CompatibilityDescriptor | None:
+        """The descriptor of ``compat_id``, if known."""
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaPath:
+    """The identifiers of ``replicas/{compat}/{scope}/{key}/{holder_id}`` (DESIGN §3)."""
+
+    compat_id: CompatId
+    scope_id: ScopeId
+    block_key: BlockKey
+    holder_id: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchOutcome:
+    """The result for one record of a batch publish: the granted TTL or the error."""
+
+    ttl_ms: int | None = None
+    error: KVSPError | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"ok": true, "ttl_ms": n}`` or ``{"ok": false, "problem": {RFC 9457 object}}``."""
+        if self.error is not None:
+            return {"ok": False, "problem": self.error.to_problem()}
+        return {"ok": True, "ttl_ms": self.ttl_ms}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LookupResult:
+    """A lookup's findings before rendering: the live records with their expiry times."""
+
+    matches: list[list[StoredReplica]]
+    estimates: tuple[TargetEstimate, ...] | None
+    hint: str | None
+    compact: bool
+
+    @property
+    def matched(self) -> int:
+        """How many leading keys have a live replica."""
+        return len(self.matches)
+
+    def to_response(self, now_ms: int) -> LookupResponse:
+        """The §6.2 answer, each record's ``ttl_ms`` set to its remaining TTL at ``now_ms``."""
+        replicas = None
+        if not self.compact:
+            replicas = tuple(
+                tuple(dataclasses.replace(r, ttl_ms=expires - now_ms) for r, expires in found)
+                for found in self.matches
+            )
+        return LookupResponse(
+            matched=self.matched, replicas=replicas, estimates=self.estimates, hint=self.hint
+        )
+
+    def to_json(self, now_ms: int) -> dict[str, Any]:
+        """``to_response(now_ms).to_json()``, without building the intermediate records."""
+        out: dict[str, Any] = {"matched": self.matched}
+        if not self.compact:
+            out["replicas"] = [[_record_json(r, e - now_ms) for r, e in f] for f in self.matches]
+        if self.estimates is not None:
+            out["estimates"] = {e.target: e.to_json() for e in self.estimates}
+        if self.hint is not None:
+            out["hint"] = self.hint
+        return out
+
+
+def _record_json(record: ReplicaRecord, ttl_ms: int) -> dict[str, Any]:
+    out = record.to_json()
+    out["ttl_ms"] = ttl_ms
+    return out
+
+
+def _id_list(ids: set[bytes]) -> str:
+    shown = sorted(ids)[:HINT_IDS]
+    text = ", ".join(i.hex() for i in shown)
+    return text + (f" (+{len(ids) - len(shown)} more)" if len(ids) > len(shown) else "")
+
+
+def check_path(path: ReplicaPath, record: ReplicaRecord) -> None:
+    """Require that the body of a PUT names the resource it is put to (§6.1, DESIGN §3).
+
+    Raises:
+        BadRequest: a member differs from its path segment; ``path`` names the member.
+    """
+    pairs = (
+        ("compat_id", "compat", path.compat_id.hex(), record.compat_id.hex()),
+        ("scope_id", "scope", path.scope_id.hex(), record.scope_id.hex()),
+        ("block_key", "key", path.block_key.hex(), record.block_key.hex()),
+        ("holder", "holder_id", path.holder_id.hex(), holder_id_of(record.holder).hex()),
+    )
+    for member, segment, in_path, in_body in pairs:
+        if in_path != in_body:
+            what = "uri_id(holder)" if member == "holder" else member
+            raise BadRequest(
+                f"{what} is {in_body} in the body but {in_path} in the path ({{{segment}}})",
+                path=f"$.{member}",
+            )
+
+
+class IndexService:
+    """Replica records with TTLs, prefix lookup, status for estimates (§6.1–6.4).
+
+    ``max_ttl_ms`` caps every granted TTL (§6.1); ``descriptors`` supplies the geometry the
+    §6.4 estimates need; ``max_lookup_keys`` bounds one lookup.
+    """
+
+    def __init__(
+        self,
+        store: ReplicaStore,
+        *,
+        max_ttl_ms: int,
+        descriptors: DescriptorSource,
+        max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS,
+    ) -> None:
+        if max_ttl_ms < 1 or max_lookup_keys < 1:
+            raise ValueError("max_ttl_ms and max_lookup_keys must be positive")
+        self.store = store
+        self.max_ttl_ms = max_ttl_ms
+        self.descriptors = descriptors
+        self.max_lookup_keys = max_lookup_keys
+
+    # --- §6.1 publish and withdraw -------------------------------------------------------------
+
+    def _admit(self, caller: Caller, record: ReplicaRecord, now_ms: int) -> StoredReplica:
+        if record.ttl_ms < 1:
+            raise BadRequest("must be at least 1", path="$.ttl_ms")
+        # §6.1: the client MUST be authorized for the record's scope ...
+        if not caller.may_use_scope(record.scope_id):
+            raise Forbidden(f"principal {caller.name!r} is not authorized for this scope")
+        # ... and MUST be the holder named in the record or authorized to publish for it.
+        if not caller.may_publish_for(record.holder):
+            raise Forbidden(
+                f"principal {caller.name!r} may not publish for holder {record.holder[:200]!r}"
+            )
+        granted = min(record.ttl_ms, self.max_ttl_ms)  # §6.1: capped at the configured maximum
+        if granted != record.ttl_ms:
+            record = dataclasses.replace(record, ttl_ms=granted)
+        return record, now_ms + granted
+
+    async def publish(
+        self, caller: Caller, path: ReplicaPath, record: ReplicaRecord, now_ms: int
+    ) -> int:
+        """Publish or refresh a Replica Record put to ``path``; returns the granted TTL.
+
+        Raises:
+            BadRequest: the body disagrees with the path, or ``ttl_ms`` is 0.
+            Forbidden: the caller may not use the scope or publish for the holder.
+        """
+        check_path(path, record)
+        stored, expires_ms = self._admit(caller, record, now_ms)
+        await self.store.put(stored, expires_ms)
+        return stored.ttl_ms
+
+    async def publish_batch(
+        self, caller: Caller, items: Sequence[ReplicaRecord | object], now_ms: int
+    ) -> list[BatchOutcome]:
+        """Publish several records under the rules of :meth:`publish`, one outcome per item.
+
+        Items are records or their JSON values (read with the path ``$.records[i]``); a bad
+        item fails alone.
+        """
+        outcomes: list[BatchOutcome] = []
+        accepted: list[StoredReplica] = []
+        for i, item in enumerate(items):
+            try:
+                record = (
+                    item
+                    if isinstance(item, ReplicaRecord)
+                    else ReplicaRecord.from_json(item, f"$.records[{i}]")
+                )
+                stored = self._admit(caller, record, now_ms)
+            except KVSPError as exc:
+                outcomes.append(BatchOutcome(error=exc))
+                continue
+            accepted.append(stored)
+            outcomes.append(BatchOutcome(ttl_ms=stored[0].ttl_ms))
+        await self.store.put_many(accepted)
+        return outcomes
+
+    async def withdraw(self, caller: Caller, path: ReplicaPath) -> bool:
+        """Withdraw one holder's record (§6.1); whether there was one.
+
+        Raises:
+            Forbidden: the caller may not use the scope or publish for the holder.
+        """
+        if not caller.may_use_scope(path.scope_id):
+            raise Forbidden(f"principal {caller.name!r} is not authorized for this scope")
+        if not caller.may_publish_for_id(path.holder_id):
+            raise Forbidden(f"principal {caller.name!r} may not withdraw for this holder")
+        return await self.store.delete(
+            path.compat_id, path.scope_id, path.block_key, path.holder_id
+        )
+
+    async def sweep(self, now_ms: int, max_items: int) -> int:
+        """Remove expired records, bounded by ``max_items``; returns how many went."""
+        return await self.store.sweep(now_ms, max_items)
+
+    # --- §6.2 lookup ---------------------------------------------------------------------------
+
+    async def lookup(self, caller: Caller, request: LookupRequest, now_ms: int) -> LookupResponse:
+        """Answer a lookup (§6.2) with records carrying their remaining TTL.
+
+        Raises:
+            PayloadTooLarge: more than ``max_lookup_keys`` keys.
+        """
+        return (await self.find(caller, request, now_ms)).to_response(now_ms)
+
+    async def find(self, caller: Caller, request: LookupRequest, now_ms: int) -> LookupResult:
+        """The findings of a lookup, for callers that render them themselves.
+
+        Raises:
+            PayloadTooLarge: more than ``max_lookup_keys`` keys.
+        """
+        keys = request.block_keys
+        if len(keys) > self.max_lookup_keys:
+            raise PayloadTooLarge(
+                f"at most {self.max_lookup_keys} keys per lookup, got {len(keys)}",
+                path="$.block_keys",
+            )
+        visible = caller.may_use_scope(request.scope_id)
+        matches: list[list[StoredReplica]] = []
+        if visible and keys:
+            # §6.2: the store stops at the first key without an unexpired replica.
+            matches = await self.store.lookup(request.compat_id, request.scope_id, keys, now_ms)
+        hint = None
+        if visible and keys and not matches:
+            hint = await self._hint(request, now_ms)
+        return LookupResult(
+            matches=matches,
+            estimates=await self._estimates(request, matches, now_ms),
+            hint=hint,
+            compact=request.compact,
+        )
+
+    async def _hint(self, request: LookupRequest, now_ms: int) -> str | None:
+        """Say when the miss looks like descriptor drift rather than an empty cache."""
+        asked = request.compat_id
+        others = await self.store.compats_with_key(request.scope_id, request.block_keys[0], now_ms)
+        others.discard(asked)
+        if others:
+            return (
+                f"no replica of block_keys[0] under compat_id {asked.hex()}; that key has "
+                f"replicas under compat_id {_id_list(others)}: {_DESCRIPTOR_ADVICE} of your "
+                "descriptor"
+            )
+        in_scope = await self.store.compats_in_scope(request.scope_id, now_ms)
+        if in_scope and asked not in in_scope:
+            return (
+                f"no replica under compat_id {asked.hex()} in this scope, which holds replicas "
+                f"only under compat_id {_id_list(in_scope)}: if they should match, "
+                f"{_DESCRIPTOR_ADVICE} of your descriptor"
+            )
+        return None
+
+    async def _estimates(
+        self, request: LookupRequest, matches: list[list[StoredReplica]], now_ms: int
+    ) -> tuple[TargetEstimate, ...] | None:
+        """§6.2/§6.4 ``fetch_us``/``recompute_us`` per target with status and a known
+        descriptor; targets whose estimate is infinite are left out."""
+        if not request.targets:
+            return None
+        descriptor = self.descriptors.get(request.compat_id)
+        if descriptor is None:
+            return None
+        statuses = await self.store.statuses(request.targets, now_ms)
+        if not statuses:
+            return None
+        table = estimate_targets(
+            [[record for record, _ in found] for found in matches],
+            statuses,
+            block_tokens=descriptor.block_tokens,
+            layers=descriptor.layers,
+        )
+        estimates = tuple(
+            TargetEstimate(target=target, fetch_us=e.fetch_us, recompute_us=e.recompute_us)
+            for target, e in table.items()
+            if math.isfinite(e.fetch_us) and math.isfinite(e.recompute_us)
+        )
+        return estimates or None
+
+    # --- §6.3 status ---------------------------------------------------------------------------
+
+    async def put_status(
+        self, caller: Caller, instance_id: bytes, record: InstanceStatusRecord, now_ms: int
+    ) -> StateAnswer:
+        """Keep an instance's status for estimates until its ``ttl_ms`` runs out (§6.3).
+
+        The IS is not the lifecycle authority: it answers with the state the instance reported.
+
+        Raises:
+            BadRequest: ``uri_id(record.instance)`` is not ``instance_id``.
+            Forbidden: the caller may not report for that instance.
+            StaleEpoch: the epoch is lower than one already seen for the instance.
+        """
+        actual = holder_id_of(record.instance)
+        if actual != instance_id:
+            raise BadRequest(
+                f"uri_id(instance) is {actual.hex()} in the body but {instance_id.hex()} in "
+                "the path ({instance_id})",
+                path="$.instance",
+            )
+        if not caller.may_report_for(record.instance):
+            raise Forbidden(f"principal {caller.name!r} may not report for this instance")
+        if not await self.store.put_status(record, now_ms + record.ttl_ms):
+            # §6.3: records with an epoch lower than the highest seen are discarded.
+            raise StaleEpoch(f"epoch {record.epoch} is lower than one already seen")
+        return StateAnswer(state=record.state)

@@ -1,0 +1,198 @@
+"""The control plane in one process: the Index Service and the Placement Controller over one
+in-memory store (DESIGN.md §1: "IS and PC may run in one process (``kvsp serve control``, the
+default)"). Started by ``kvsp serve control``.
+
+The app serves the IS routes, the descriptor routes and the PC routes. ``PUT
+instances/{instance_id}/status`` is the PC's here (the lifecycle authority, §6.3): the PC
+accepts the record and writes it straight into the IS's status table (:class:`LocalIndex`), in
+place of the forwarding it does when apart. Lookups for placement go to the in-process
+:class:`~kvsp.index.IndexService`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import operator
+from collections.abc import AsyncIterator, Sequence
+
+from starlette.applications import Starlette
+from starlette.routing import BaseRoute, Route
+
+from kvsp.compat import CompatibilityDescriptor
+from kvsp.index import Caller, DescriptorSource, IndexService
+from kvsp.lifecycle import InstanceRegistry, SleepPolicy
+from kvsp.records import InstanceStatusRecord, LookupRequest, ReplicaRecord
+from kvsp.services.auth import Principals
+from kvsp.services.cliargs import load_principals, serve_config
+from kvsp.services.clock import Clock, SystemClock
+from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes
+from kvsp.services.index_app import (
+    IndexConfig,
+    Lifespan,
+    descriptor_registry,
+    index_config,
+    index_lifespan,
+    index_routes,
+)
+from kvsp.services.index_app import configure_parser as configure_index_parser
+from kvsp.services.pc import InstancePeers, PCConfig, PlacementController, ScaleUpHook
+from kvsp.services.pc_app import (
+    HttpInstancePeers,
+    add_pc_arguments,
+    closing,
+    directive_token,
+    pc_config,
+    pc_lifespan,
+    pc_routes,
+    scale_up_hook,
+)
+from kvsp.services.problems import install_problem_handlers
+from kvsp.services.runner import serve
+from kvsp.stores.base import ReplicaStore
+from kvsp.stores.memory import MemoryStore
+
+STATUS_PATH = "/instances/{instance_id}/status"
+_record = operator.itemgetter(0)  # (record, expires_ms) -> record
+
+
+class _ControllerCaller:
+    """The PC as an IS caller: it has authorized the client for the scope before it looks up,
+    and it publishes nothing."""
+
+    name = "placement-controller"
+
+    def may_use_scope(self, scope_id: bytes) -> bool:
+        return True
+
+    def may_publish_for(self, holder: str) -> bool:
+        return False
+
+    def may_publish_for_id(self, holder_id: bytes) -> bool:
+        return False
+
+    def may_report_for(self, instance: str) -> bool:
+        return False
+
+
+class LocalIndex:
+    """:class:`~kvsp.services.pc.IndexAccess` over an in-process
+    :class:`~kvsp.index.IndexService`: status records go straight into its store."""
+
+    __slots__ = ("_caller", "_descriptors", "_index")
+
+    def __init__(self, index: IndexService, descriptors: DescriptorSource) -> None:
+        self._index = index
+        self._descriptors = descriptors
+        self._caller: Caller = _ControllerCaller()
+
+    async def find(self, request: LookupRequest, now_ms: int) -> Sequence[Sequence[ReplicaRecord]]:
+        """The matched records, looked up as the PC."""
+        result = await self._index.find(self._caller, request, now_ms)
+        return [list(map(_record, found)) for found in result.matches]
+
+    async def put_status(self, record: InstanceStatusRecord, now_ms: int) -> None:
+        """Keep the record in the IS's status table until it expires (a lower epoch than the
+        table has is dropped there too)."""
+        await self._index.store.put_status(record, now_ms + record.ttl_ms)
+
+    async def descriptor(self, compat_id: bytes) -> CompatibilityDescriptor | None:
+        """The descriptor from the shared registry."""
+        return self._descriptors.get(compat_id)
+
+
+def create_control_app(
+    config: IndexConfig,
+    *,
+    store: ReplicaStore,
+    principals: Principals,
+    clock: Clock,
+    descriptors: DescriptorRegistry,
+    peers: InstancePeers,
+    pc_config: PCConfig | None = None,
+    scale_up: ScaleUpHook | None = None,
+    extra_routes: Sequence[BaseRoute] = (),
+    extra_lifespans: Sequence[Lifespan] = (),
+) -> Starlette:
+    """The control-plane app: IS and PC over ``store`` (``app.state.index`` and
+    ``app.state.pc`` hold them); ``extra_routes`` and ``extra_lifespans`` join them."""
+    pc_settings = pc_config or PCConfig()
+    index = IndexService(
+        store,
+        max_ttl_ms=config.max_ttl_ms,
+        descriptors=descriptors,
+        max_lookup_keys=config.max_lookup_keys,
+    )
+    policy = SleepPolicy(
+        threshold_load=pc_settings.sleep_threshold, min_low_ms=pc_settings.sleep_after_ms
+    )
+    pc = PlacementController(
+        InstanceRegistry(policy),
+        LocalIndex(index, descriptors),
+        peers,
+        clock,
+        pc_settings,
+        scale_up=scale_up,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(index_lifespan(index, clock, config))
+            await stack.enter_async_context(pc_lifespan(pc))
+            for extra in extra_lifespans:
+                await stack.enter_async_context(extra())
+            yield
+
+    # The PC answers status PUTs (it is the lifecycle authority); the IS's own handler, which
+    # answers with the reported state, is left out.
+    is_routes = [
+        r
+        for r in index_routes(index, config, clock)
+        if not (isinstance(r, Route) and r.path == STATUS_PATH)
+    ]
+    routes = [
+        *is_routes,
+        *descriptor_routes(descriptors),
+        *pc_routes(pc, with_healthz=False),
+        *extra_routes,
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.router.redirect_slashes = False  # "lookup/" is no resource: a 404 problem, not a 307
+    app.state.principals = principals
+    app.state.clock = clock
+    app.state.index = index
+    app.state.pc = pc
+    install_problem_handlers(app)
+    return app
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the control-plane options: those of the IS and those of the PC."""
+    configure_index_parser(parser)
+    add_pc_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the control plane until SIGTERM/SIGINT; returns the exit status.
+
+    Raises:
+        BadRequest: a bad option or unreadable token file.
+        DescriptorError: a ``--descriptor`` file is not a valid descriptor.
+    """
+    config = serve_config(args)
+    principals = load_principals(args)  # first: it makes STATE/admin.token on a first start
+    peers = HttpInstancePeers(directive_token(args))
+    hook = None if args.scale_up_hook is None else scale_up_hook(args.scale_up_hook)
+    app = create_control_app(
+        index_config(args),
+        store=MemoryStore(),
+        principals=principals,
+        clock=SystemClock(),
+        descriptors=descriptor_registry(args),
+        peers=peers,
+        pc_config=pc_config(args),
+        scale_up=hook,
+        extra_lifespans=[closing(peers)],
+    )
+    return serve(app, config)

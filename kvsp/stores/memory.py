@@ -1,0 +1,180 @@
+"""The in-memory replica store, the embedded default behind the Index Service (spec §6.1 TTLs,
+§6.2 prefix lookup, §6.3 epochs; DESIGN.md §1).
+
+Layout, chosen so that no call scans the store:
+
+* ``(compat_id, scope_id)`` → ``block_key`` → ``holder_id`` → ``(record, expires_ms)``: a lookup
+  is one dict probe for the group and one per key;
+* ``scope_id`` → the compat ids with a group in that scope, for the mismatch hint (a scope holds
+  a handful of compat ids, so the hint probes each group for the key);
+* a heap of ``(expires_ms, compat_id, scope_id, key, holder_id)``. A refresh pushes a new entry
+  and leaves the old one behind; :meth:`MemoryStore.sweep` pops at most ``max_items`` entries
+  per call and skips those whose expiry no longer matches the stored record. Stale entries thus
+  live until their own expiry, at most the IS's maximum TTL.
+
+Identifier octets that repeat across records (compat and scope ids, holder ids) are interned, so
+a million records cost their records and a few small containers each, not copies of the ids.
+Expired records are never returned, swept or not.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+from kvsp.records import InstanceStatusRecord, ReplicaRecord
+from kvsp.stores.base import StoredReplica, holder_id_of
+
+_Holders = dict[bytes, StoredReplica]
+_Group = dict[bytes, _Holders]
+_HeapEntry = tuple[int, bytes, bytes, bytes, bytes]
+
+
+def _any_live(holders: Iterable[StoredReplica], now_ms: int) -> bool:
+    return any(expires > now_ms for _, expires in holders)
+
+
+class MemoryStore:
+    """A :class:`~kvsp.stores.base.ReplicaStore` in this process's memory (single event loop;
+    every method runs to completion without awaiting)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[bytes, bytes], _Group] = {}
+        self._scope_compats: dict[bytes, set[bytes]] = {}
+        self._heap: list[_HeapEntry] = []
+        self._count = 0
+        self._interned: dict[bytes, bytes] = {}
+        self._statuses: dict[str, tuple[InstanceStatusRecord, int]] = {}
+        self._epochs: dict[str, int] = {}
+
+    def _intern(self, value: bytes) -> bytes:
+        return self._interned.setdefault(value, value)
+
+    def _put(self, record: ReplicaRecord, expires_ms: int) -> None:
+        compat = self._intern(record.compat_id)
+        scope = self._intern(record.scope_id)
+        holder = self._intern(holder_id_of(record.holder))
+        group = self._groups.get((compat, scope))
+        if group is None:
+            group = self._groups[(compat, scope)] = {}
+            self._scope_compats.setdefault(scope, set()).add(compat)
+        key = record.block_key
+        holders = group.get(key)
+        if holders is None:
+            holders = group[key] = {}
+        if holder not in holders:
+            self._count += 1
+        holders[holder] = (record, expires_ms)
+        heapq.heappush(self._heap, (expires_ms, compat, scope, key, holder))
+
+    async def put(self, record: ReplicaRecord, expires_ms: int) -> None:
+        """Store or refresh ``record`` until ``expires_ms``."""
+        self._put(record, expires_ms)
+
+    async def put_many(self, items: Sequence[StoredReplica]) -> None:
+        """Store or refresh several records."""
+        for record, expires_ms in items:
+            self._put(record, expires_ms)
+
+    def _remove(
+        self, compat: bytes, scope: bytes, key: bytes, holder: bytes, expires: int | None
+    ) -> bool:
+        """Remove one entry (only if its expiry is ``expires``, when given); prune empty maps."""
+        group = self._groups.get((compat, scope))
+        if group is None:
+            return False
+        holders = group.get(key)
+        if holders is None:
+            return False
+        entry = holders.get(holder)
+        if entry is None or (expires is not None and entry[1] != expires):
+            return False
+        del holders[holder]
+        self._count -= 1
+        if not holders:
+            del group[key]
+            if not group:
+                del self._groups[(compat, scope)]
+                compats = self._scope_compats[scope]
+                compats.discard(compat)
+                if not compats:
+                    del self._scope_compats[scope]
+        return True
+
+    async def delete(self, compat_id: bytes, scope_id: bytes, key: bytes, holder_id: bytes) -> bool:
+        """Remove one holder's record for a key; whether there was one."""
+        return self._remove(compat_id, scope_id, key, holder_id, None)
+
+    async def lookup(
+        self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], now_ms: int
+    ) -> list[list[StoredReplica]]:
+        """The live records of the leading ``keys``, stopping at the first key without one."""
+        group = self._groups.get((compat_id, scope_id))
+        found: list[list[StoredReplica]] = []
+        if group is None:
+            return found
+        for key in keys:
+            holders = group.get(key)
+            if holders is None:
+                break
+            live = [entry for entry in holders.values() if entry[1] > now_ms]
+            if not live:
+                break
+            found.append(live)
+        return found
+
+    async def compats_with_key(self, scope_id: bytes, key: bytes, now_ms: int) -> set[bytes]:
+        """The compat ids under which ``key`` has a live record in ``scope_id``."""
+        out = set()
+        for compat in self._scope_compats.get(scope_id, ()):
+            holders = self._groups[(compat, scope_id)].get(key)
+            if holders and _any_live(holders.values(), now_ms):
+                out.add(compat)
+        return out
+
+    async def compats_in_scope(self, scope_id: bytes, now_ms: int) -> set[bytes]:
+        """The compat ids with a live record in ``scope_id`` (stops at the first live record of
+        each group, so it is quick unless a group is all expired and not yet swept)."""
+        out = set()
+        for compat in self._scope_compats.get(scope_id, ()):
+            group = self._groups[(compat, scope_id)]
+            if any(_any_live(holders.values(), now_ms) for holders in group.values()):
+                out.add(compat)
+        return out
+
+    async def sweep(self, now_ms: int, max_items: int) -> int:
+        """Pop at most ``max_items`` due expiry entries; returns how many records went."""
+        heap = self._heap
+        removed = 0
+        for _ in range(max_items):
+            if not heap or heap[0][0] > now_ms:
+                break
+            expires, compat, scope, key, holder = heapq.heappop(heap)
+            removed += self._remove(compat, scope, key, holder, expires)
+        return removed
+
+    async def count(self) -> int:
+        """How many replica records are stored."""
+        return self._count
+
+    def pending_expiries(self) -> int:
+        """How many expiry entries (live and stale) wait in the heap; for tests and metrics."""
+        return len(self._heap)
+
+    async def put_status(self, record: InstanceStatusRecord, expires_ms: int) -> bool:
+        """Store an instance's status; ``False`` when its epoch is below the highest seen."""
+        highest = self._epochs.get(record.instance)
+        if highest is not None and record.epoch < highest:
+            return False  # §6.3: discard records with an epoch lower than the highest seen
+        self._epochs[record.instance] = record.epoch
+        self._statuses[record.instance] = (record, expires_ms)
+        return True
+
+    async def statuses(self, instances: Sequence[str], now_ms: int) -> list[InstanceStatusRecord]:
+        """The live status records of ``instances`` that have one, in that order."""
+        out = []
+        for name in instances:
+            entry = self._statuses.get(name)
+            if entry is not None and entry[1] > now_ms:
+                out.append(entry[0])
+        return out

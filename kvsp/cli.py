@@ -142,6 +142,43 @@ def _cmd_container_pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _existing_entries(path: Path) -> list[dict[str, Any]]:
+    import datetime
+    import tomllib
+
+    from kvsp.services.auth import Principals
+
+    if not path.exists():
+        return []
+    Principals.load(path)  # refuse to extend a file that does not load
+    with path.open("rb") as f:
+        doc = tomllib.load(f)
+    entries: list[dict[str, Any]] = doc.get("principal", [])
+    for entry in entries:
+        expires = entry.get("expires")
+        if isinstance(expires, datetime.datetime):  # keep it, as integer ms
+            entry["expires"] = int(expires.timestamp() * 1000)
+    return entries
+
+
+def _cmd_token(args: argparse.Namespace) -> int:
+    from kvsp.ids import parse_scope_id
+    from kvsp.services.auth import mint_token, principal_entry, write_principals
+
+    scopes = None if args.scope == ["*"] else [parse_scope_id(s, "--scope") for s in args.scope]
+    entries = [e for e in _existing_entries(args.principals) if e.get("name") != args.name]
+    if len(entries) != len(_existing_entries(args.principals)) and not args.replace:
+        raise CLIError(f"principal {args.name!r} exists in {args.principals}; use --replace")
+    token = mint_token()
+    entry = principal_entry(args.name, token, args.role, scopes, args.holder, args.expires_ms)
+    try:
+        write_principals(args.principals, [*entries, entry])
+    except OSError as exc:
+        raise CLIError(f"cannot write {args.principals}: {exc.strerror or exc}") from None
+    print(token)
+    return 0
+
+
 def _cmd_help(parser: argparse.ArgumentParser) -> Handler:
     def show(args: argparse.Namespace) -> int:
         parser.print_help()
@@ -226,6 +263,31 @@ def build_parser(load_services: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--layer-file", required=True, nargs=2, action="append", metavar=("K", "V"))
     p.add_argument("-o", "--output", required=True, metavar="OUT")
     p.set_defaults(handler=_cmd_container_pack)
+    p = sub.add_parser(
+        "token", help="mint a bearer token for a principal and add it to a principals file"
+    )
+    p.add_argument("--principals", required=True, type=Path, metavar="FILE")
+    p.add_argument("--name", required=True)
+    p.add_argument(
+        "--role",
+        required=True,
+        action="append",
+        choices=["holder", "instance", "pc", "client", "admin"],
+        help="repeat for several roles",
+    )
+    p.add_argument(
+        "--scope", required=True, action="append", metavar="HEX16", help="repeat; '*' = all"
+    )
+    p.add_argument(
+        "--holder",
+        action="append",
+        default=[],
+        metavar="URI",
+        help="holder or instance URI it may publish or report for (repeat)",
+    )
+    p.add_argument("--expires-ms", type=int, metavar="MS", help="expiry, ms since the epoch")
+    p.add_argument("--replace", action="store_true", help="replace a principal of that name")
+    p.set_defaults(handler=_cmd_token)
     _add_serve_commands(sub, load_services)
     return parser
 

@@ -155,3 +155,45 @@ def test_usage_errors_exit_2(capsys: Any) -> None:
 def test_no_arguments_prints_help(capsys: Any) -> None:
     assert main([]) == 0
     assert "compat-id" in capsys.readouterr().out
+
+
+SCOPE = "ab" * 16
+
+
+def test_token_mints_a_working_credential(tmp_path: Path, capsys: Any) -> None:
+    from kvsp.services.auth import Principals, may_publish_for, may_use_scope
+
+    path = tmp_path / "principals.toml"
+    args = ["token", "--principals", str(path), "--name", "h1", "--role", "holder"]
+    assert main([*args, "--scope", SCOPE, "--holder", "http://127.0.0.1:9/"]) == 0
+    token = capsys.readouterr().out.strip()
+    assert (
+        main(
+            ["token", "--principals", str(path), "--name", "c", "--role", "client", "--scope", "*"]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    principals = Principals.load(path)
+    principal = principals.authenticate(f"Bearer {token}", now_ms=0)
+    assert principal.name == "h1" and principal.roles == {"holder"}
+    assert may_use_scope(principal, bytes.fromhex(SCOPE))
+    assert not may_use_scope(principal, bytes(16))
+    assert may_publish_for(principal, "http://127.0.0.1:9/")
+    assert token not in path.read_text()  # only its hash is stored
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_token_refuses_duplicates_and_bad_scopes(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "p.toml"
+    base = ["token", "--principals", str(path), "--name", "x", "--role", "client"]
+    assert main([*base, "--scope", SCOPE]) == 0
+    first = path.read_text()
+    capsys.readouterr()
+    assert main([*base, "--scope", SCOPE]) == 1
+    assert "--replace" in capsys.readouterr().err
+    assert main([*base, "--scope", SCOPE.upper(), "--replace"]) == 1
+    assert "hex16" in capsys.readouterr().err
+    assert path.read_text() == first  # nothing changed by the refused calls
+    assert main([*base, "--scope", SCOPE, "--replace"]) == 0
+    assert path.read_text() != first and path.read_text().count("[[principal]]") == 1

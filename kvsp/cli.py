@@ -194,6 +194,7 @@ SERVICES: dict[str, tuple[str, str, int]] = {
     "pc": ("kvsp.services.pc_app", "the Placement Controller alone (§6.3-6.5)", 8472),
     "holder": ("kvsp.services.holder_app", "a block holder (§6.6-6.7)", 8471),
     "instance": ("kvsp.services.instance_app", "an inference instance agent (§6.3, §6.5)", 8473),
+    "relay": ("relay.app", "a caching MOQT relay that is also a KVSP holder (§4.4, §6.6)", 4443),
 }
 
 

@@ -1,0 +1,296 @@
+"""``kvsp serve relay``: the caching MOQT relay and KVSP holder as a process (DESIGN.md §1, §4).
+
+Usage (``python -m relay.app`` takes the same options)::
+
+    kvsp serve relay --listen 127.0.0.1:4443 [--cert C --key K] [--index URL --token T]
+                     [--upstream moqt://origin:4443/ --upstream-cafile PEM]
+                     [--http-listen 127.0.0.1:0] [--cache-size 1GiB] [--open]
+
+* MOQT draft-16 over raw QUIC (ALPN ``moqt-16``) on ``--listen`` (UDP). Without ``--cert`` and
+  ``--key`` it uses a self-signed pair kept in ``STATE/relay-tls`` (made on first start, made
+  again when it nears expiry); clients pin that ``cert.pem``.
+* Peers authenticate with the AUTHORIZATION TOKEN setup parameter (USE_VALUE) against the
+  principals file (``--principals``, default ``STATE/principals.toml`` made with one admin
+  token). ``--open`` runs without principals (interop testing): every peer may do everything.
+* The HTTP holder face (leases, healthz) listens on ``--http-listen`` (TCP, default port 0).
+* ``--index URL`` makes it a KVSP holder: every complete stored replica track in its cache is
+  published there as a Replica Record (token ``--token`` or ``--token-file``); without it the
+  relay only relays and caches.
+* ``--ready-file F`` receives, once both listeners are up, one JSON line::
+
+      {"moqt": "moqt://127.0.0.1:P/", "http": "http://127.0.0.1:Q/"}
+
+SIGTERM or SIGINT stops it (records withdrawn first); exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from cryptography import x509
+
+from kvsp.errors import BadRequest, KVSPError
+from kvsp.leases import LeaseQuota
+from kvsp.services.auth import Principals
+from kvsp.services.cliargs import add_common_arguments, load_principals, parse_listen
+from kvsp.services.clock import SystemClock
+from kvsp.services.holder_app import parse_size
+from kvsp.services.runner import write_ready_file
+from moqt.backend import BACKENDS
+from moqt.certs import make_self_signed
+
+from .holder import DEFAULT_RECORD_TTL_MS, HolderConfig, RelayHolder
+from .relay import Relay, RelayConfig
+from .upstream import UpstreamConfig, parse_moqt_url
+from .web import HttpFace, create_app
+
+DEFAULT_PORT = 4443
+TLS_FOLDER = "relay-tls"
+RENEW_BEFORE = datetime.timedelta(days=2)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _size(text: str) -> int:
+    size = parse_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return size
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the relay's own options (the common ones come from ``add_common_arguments``)."""
+    add = parser.add_argument
+    add(
+        "--http-listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="the HTTP holder face: leases, healthz (default 127.0.0.1:0, a free port)",
+    )
+    add("--open", action="store_true", help="no principals: every peer may do everything")
+    add("--backend", choices=BACKENDS, default="aioquic", help="QUIC library (default aioquic)")
+    add(
+        "--cache-size",
+        type=_size,
+        default=1 << 30,
+        metavar="SIZE",
+        help="object cache budget, LRU by track beyond it (default 1GiB)",
+    )
+    add("--upstream", metavar="URL", help="upstream relay, moqt://host:port/ (edge → origin)")
+    add("--upstream-token-file", type=Path, metavar="FILE", help="token for the upstream relay")
+    add("--upstream-cafile", type=Path, metavar="PEM", help="pin the upstream's certificate")
+    add("--upstream-insecure", action="store_true", help="do not verify the upstream (tests)")
+    add("--index", metavar="URL", help="Index Service to publish Replica Records at")
+    add("--token", metavar="TOKEN", help="bearer token for the Index Service")
+    add("--token-file", type=Path, metavar="FILE", help="file holding the IS token")
+    add("--public-url", metavar="URL", help="moqt:// URI named in records (default: its own)")
+    add(
+        "--record-ttl-ms",
+        type=_positive_int,
+        default=DEFAULT_RECORD_TTL_MS,
+        metavar="MS",
+        help="cap on record TTLs; refreshed at a third (default 60000)",
+    )
+    add(
+        "--lease-max-octets",
+        type=_size,
+        default=1 << 30,
+        metavar="SIZE",
+        help="per-client quota of leased octets (default 1GiB)",
+    )
+    add(
+        "--lease-max-ttl-ms",
+        type=_positive_int,
+        default=600_000,
+        metavar="MS",
+        help="longest lease TTL (default 600000)",
+    )
+    add(
+        "--lease-max-count",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="most leases per client (default 1024)",
+    )
+
+
+def _read_secret(path: Path, option: str) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise BadRequest(f"cannot read {option} {path}: {exc.strerror}") from None
+    if not text:
+        raise BadRequest(f"{option} {path} is empty")
+    return text
+
+
+def _certificates(args: argparse.Namespace) -> tuple[Path, Path]:
+    """``--cert``/``--key``, or the self-signed pair in the state folder."""
+    if (args.cert is None) != (args.key is None):
+        raise BadRequest("--cert and --key go together")
+    if args.cert is not None:
+        return Path(args.cert), Path(args.key)
+    folder = Path(args.state) / TLS_FOLDER
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    if cert.exists() and key.exists():
+        with contextlib.suppress(ValueError, OSError):
+            loaded = x509.load_pem_x509_certificate(cert.read_bytes())
+            now = datetime.datetime.now(datetime.UTC)
+            if loaded.not_valid_after_utc - RENEW_BEFORE > now:
+                return cert, key
+    return make_self_signed("localhost", folder)
+
+
+def _upstream(args: argparse.Namespace) -> UpstreamConfig | None:
+    if args.upstream is None:
+        return None
+    try:
+        parse_moqt_url(args.upstream)
+    except ValueError as exc:
+        raise BadRequest(f"--upstream: {exc}") from None
+    token = None
+    if args.upstream_token_file is not None:
+        token = _read_secret(args.upstream_token_file, "--upstream-token-file")
+    return UpstreamConfig(
+        url=args.upstream,
+        token=token,
+        cafile=args.upstream_cafile,
+        verify=not args.upstream_insecure,
+        backend=args.backend,
+    )
+
+
+def _principals(args: argparse.Namespace) -> Principals | None:
+    if args.open:
+        if args.principals is not None:
+            raise BadRequest("--open runs without principals; drop --principals")
+        return None
+    return load_principals(args)
+
+
+def _index_token(args: argparse.Namespace) -> str | None:
+    if args.token is not None and args.token_file is not None:
+        raise BadRequest("give --token or --token-file, not both")
+    if args.index is None and (args.token is not None or args.token_file is not None):
+        raise BadRequest("--token needs --index")
+    if args.token_file is not None:
+        return _read_secret(args.token_file, "--token-file")
+    token: str | None = args.token
+    return token
+
+
+def relay_config(args: argparse.Namespace) -> RelayConfig:
+    """The :class:`RelayConfig` the options describe.
+
+    Raises:
+        BadRequest: inconsistent or malformed options.
+    """
+    host, port = parse_listen(args.listen)
+    cert, key = _certificates(args)
+    if args.public_url is not None and not args.public_url.startswith("moqt://"):
+        raise BadRequest("--public-url must be a moqt:// URI")
+    return RelayConfig(
+        certificate=cert,
+        private_key=key,
+        host=host,
+        port=port,
+        backend=args.backend,
+        cache_bytes=args.cache_size,
+        principals=_principals(args),
+        upstream=_upstream(args),
+        public_url=args.public_url,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the relay until SIGTERM/SIGINT; returns the exit status.
+
+    Raises:
+        BadRequest: inconsistent options.
+    """
+    logging.basicConfig(level=str(args.log_level).upper())
+    config = relay_config(args)
+    token = _index_token(args)
+    holder_config = HolderConfig(
+        record_ttl_ms=args.record_ttl_ms,
+        lease_quota=LeaseQuota(
+            max_octets_per_client=args.lease_max_octets,
+            max_ttl_ms=args.lease_max_ttl_ms,
+            max_leases_per_client=args.lease_max_count,
+        ),
+    )
+    http_host, http_port = parse_listen(args.http_listen)
+    asyncio.run(_serve(args, config, holder_config, token, (http_host, http_port)))
+    return 0
+
+
+async def _serve(
+    args: argparse.Namespace,
+    config: RelayConfig,
+    holder_config: HolderConfig,
+    token: str | None,
+    http_address: tuple[str, int],
+) -> None:
+    from kvsp.services.index_client import IndexClient
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    clock = SystemClock()
+    async with contextlib.AsyncExitStack() as stack:
+        index = None
+        if args.index is not None:
+            index = await stack.enter_async_context(IndexClient(args.index, token))
+        holder = RelayHolder(holder_config, clock, index)
+        tls = args.cert is not None
+        face = HttpFace(
+            create_app(holder, config.principals, clock),
+            *http_address,
+            certfile=str(args.cert) if tls else None,
+            keyfile=str(args.key) if tls else None,
+            log_level=args.log_level,
+        )
+        holder.lease_base = face.url
+        relay = Relay(config, holder=holder, clock=clock)
+        moqt_url = await relay.start()
+        try:
+            await face.start()
+            if args.ready_file is not None:
+                ready = {"moqt": moqt_url, "http": face.url}
+                write_ready_file(Path(args.ready_file), json.dumps(ready))
+            print(f"kvsp relay: {moqt_url} (HTTP face {face.url})", file=sys.stderr)
+            await stop.wait()
+        finally:
+            await relay.close()
+            await face.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m relay.app``: the same options as ``kvsp serve relay``."""
+    parser = argparse.ArgumentParser(prog="relay", description=__doc__.splitlines()[0])
+    add_common_arguments(parser, DEFAULT_PORT)
+    configure_parser(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KVSPError as exc:
+        print(f"relay: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

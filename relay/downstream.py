@@ -1,0 +1,239 @@
+"""One downstream subscriber of a relayed track: its own queue and writer task (asyncio shell).
+
+The upstream reader posts what happened (an object began, a piece of payload, a stream ended,
+the track ended) to every attached :class:`Downstream` without waiting; each downstream writes
+at its own pace, waiting for stream credit and for its send buffers to drain, so a slow
+subscriber never holds up the others. A subgroup stream is opened towards the subscriber at the
+first object it wants from that upstream stream, so a subscriber that attaches mid-stream starts
+at the next object. A subscriber that falls more than ``queue_limit`` octets behind is ended
+with PUBLISH_DONE TOO_FAR_BEHIND.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from moqt.asyncio import MOQTConnection, SessionClosedError
+from moqt.errors import MOQTError, PublishDoneCode, StreamResetCode
+from moqt.objects import ObjectDatagram, ObjectStart, SubgroupHeader
+from moqt.session_state import LocalProtocolError
+from moqt.wire import Location
+
+from .routing import DeliveryFilter
+
+log = logging.getLogger(__name__)
+DEFAULT_QUEUE_LIMIT = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Begin:
+    stream: int
+    header: SubgroupHeader
+    start: ObjectStart
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    stream: int
+    data: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class _Finish:
+    stream: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Reset:
+    stream: int
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Datagram:
+    datagram: ObjectDatagram
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    code: int
+    reason: str
+
+
+_Op = _Begin | _Chunk | _Finish | _Reset | _Datagram | _Done
+
+
+class Downstream:
+    """A SUBSCRIBE we accepted (``request_id`` on ``connection``) for a relayed track."""
+
+    def __init__(
+        self,
+        connection: MOQTConnection,
+        request_id: int,
+        delivery: DeliveryFilter,
+        *,
+        joined_at: Location | None = None,
+        queue_limit: int = DEFAULT_QUEUE_LIMIT,
+    ) -> None:
+        self.connection = connection
+        self.joined_at = joined_at  # the Largest Location in our SUBSCRIBE_OK (joining FETCH)
+        self.request_id = request_id
+        self.delivery = delivery
+        self.queue_limit = queue_limit
+        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
+        self._queued_bytes = 0
+        self._streams: dict[int, int] = {}  # upstream stream → our stream
+        self._skipping: set[int] = set()  # upstream streams whose current object is skipped
+        self._task: asyncio.Task[None] | None = None
+        self.closed = False
+
+    @property
+    def session_key(self) -> tuple[int, int]:
+        """Identifies this subscription among all sessions."""
+        return id(self.connection), self.request_id
+
+    def start(self) -> None:
+        """Start the writer task (after SUBSCRIBE_OK was sent)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        """Stop writing at once (the subscriber left, or the relay closes)."""
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+
+    async def wait(self) -> None:
+        """Wait for the writer task to finish."""
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # --- posting (never waits) ---------------------------------------------------------------
+
+    def _post(self, op: _Op) -> None:
+        if self.closed:
+            return
+        if isinstance(op, _Chunk):
+            self._queued_bytes += len(op.data)
+            if self._queued_bytes > self.queue_limit:
+                self._queue.put_nowait(_Done(PublishDoneCode.TOO_FAR_BEHIND, "too far behind"))
+                self.closed = True
+                return
+        self._queue.put_nowait(op)
+
+    def begin(self, stream: int, header: SubgroupHeader, start: ObjectStart) -> None:
+        """An object began on the upstream ``stream``."""
+        self._post(_Begin(stream, header, start))
+
+    def chunk(self, stream: int, data: memoryview) -> None:
+        """A piece of the current object's payload."""
+        self._post(_Chunk(stream, data))
+
+    def finish(self, stream: int) -> None:
+        """The upstream stream ended with a FIN."""
+        self._post(_Finish(stream))
+
+    def reset(self, stream: int, code: int) -> None:
+        """The upstream stream was reset (or the relay refuses to forward the rest)."""
+        self._post(_Reset(stream, code))
+
+    def datagram(self, datagram: ObjectDatagram) -> None:
+        """A datagram object."""
+        self._post(_Datagram(datagram))
+
+    def done(self, code: int, reason: str = "") -> None:
+        """The track ended: PUBLISH_DONE once the queued objects are written."""
+        self._post(_Done(code, reason))
+        self.closed = True
+
+    # --- writing -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            op = await self._queue.get()
+            try:
+                if isinstance(op, _Done):
+                    self._publish_done(op)
+                    return
+                await self._apply(op)
+            except SessionClosedError:
+                return
+            except (LocalProtocolError, MOQTError, ValueError) as exc:
+                if self.request_id not in self.connection.session.requests:
+                    return  # the subscriber left or the session closed
+                log.debug("downstream %s: %s", self.request_id, exc)
+            finally:
+                if isinstance(op, _Chunk):
+                    self._queued_bytes -= len(op.data)
+
+    async def _apply(self, op: _Op) -> None:
+        session = self.connection.session
+        if isinstance(op, _Begin):
+            await self._begin(op)
+        elif isinstance(op, _Chunk):
+            ours = self._streams.get(op.stream)
+            if ours is not None and op.stream not in self._skipping:
+                await self.connection.write_payload(ours, op.data)
+        elif isinstance(op, _Finish | _Reset):
+            self._skipping.discard(op.stream)
+            ours = self._streams.pop(op.stream, None)
+            if ours is not None and isinstance(op, _Reset):
+                session.reset_data_stream(ours, op.code)
+            elif ours is not None:
+                session.finish_stream(ours)
+            self.connection.transmit()
+        elif isinstance(op, _Datagram):
+            self._send_datagram(op.datagram)
+
+    async def _begin(self, op: _Begin) -> None:
+        start = op.start
+        if not self.delivery.wants(start.group_id, start.object_id):
+            self._skipping.add(op.stream)  # not for this subscriber: skip its payload
+            return
+        self._skipping.discard(op.stream)
+        ours = self._streams.get(op.stream)
+        if ours is None:
+            header = op.header
+            ours = await self.connection.open_subgroup(
+                self.request_id,
+                start.group_id,
+                subgroup_id=start.subgroup_id or 0,
+                publisher_priority=header.publisher_priority,
+                extensions=header.has_extensions or bool(start.extensions),
+                end_of_group=header.end_of_group,
+            )
+            self._streams[op.stream] = ours
+        self.connection.session.begin_object(
+            ours,
+            start.object_id,
+            start.payload_length,
+            extensions=start.extensions,
+            status=start.status,
+        )
+        self.connection.transmit()
+
+    def _send_datagram(self, datagram: ObjectDatagram) -> None:
+        if not self.delivery.wants(datagram.group_id, datagram.object_id):
+            return
+        self.connection.session.send_datagram(
+            self.request_id,
+            datagram.group_id,
+            datagram.object_id,
+            datagram.payload,
+            publisher_priority=datagram.publisher_priority,
+            extensions=datagram.extensions,
+            end_of_group=datagram.end_of_group,
+        )
+        self.connection.transmit()
+
+    def _publish_done(self, op: _Done) -> None:
+        session = self.connection.session
+        for ours in self._streams.values():  # normally none: upstream streams ended first
+            session.reset_data_stream(ours, StreamResetCode.CANCELLED)
+        self._streams.clear()
+        session.publish_done(self.request_id, op.code, reason=op.reason)
+        self.connection.transmit()

@@ -1,0 +1,359 @@
+"""Sans-I/O parts of the relay: the object cache, routing, KV tracks, ingest, access rules."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from relay_testkit import SCOPE_A, SCOPE_B, make_block, max_cache
+
+from kvsp.errors import Unauthorized
+from kvsp.services.auth import Principal, Principals, principal_entry
+from moqt.errors import ObjectStatus
+from moqt.messages import AuthToken, TokenAliasType
+from moqt.messages_params import FilterType, SubscriptionFilter
+from moqt.objects import ObjectStart, layer_digest_extension
+from moqt.wire import KeyValuePair, Location
+from relay import access
+from relay.cache import CachedObject, Malformed, ObjectCache, PutResult
+from relay.ingest import ObjectIngest
+from relay.kv import Broad, Plain, Scoped, block_track, classify, complete_replica
+from relay.routing import DeliveryFilter, NamespaceRoutes, NamespaceSubscribers
+
+NS = (b"plain", b"ns")
+
+
+def obj(
+    object_id: int,
+    payload: bytes = b"p",
+    *,
+    group: int = 0,
+    at: int = 0,
+    subgroup: int | None = 0,
+    priority: int | None = 128,
+    status: ObjectStatus = ObjectStatus.NORMAL,
+) -> CachedObject:
+    return CachedObject(
+        group_id=group,
+        object_id=object_id,
+        subgroup_id=subgroup,
+        publisher_priority=priority,
+        extensions=(),
+        status=status,
+        payload=payload,
+        arrived_ms=at,
+    )
+
+
+def track(name: bytes) -> tuple[tuple[bytes, ...], bytes]:
+    return NS, name
+
+
+# --- cache --------------------------------------------------------------------------------------
+
+
+def test_lookup_serves_only_whole_known_ranges() -> None:
+    cache = ObjectCache(1 << 20)
+    key = track(b"t")
+    for i in range(4):
+        assert cache.put(key, obj(i, b"%d" % i)) == PutResult.STORED
+    plan = cache.lookup(key, Location(0, 1), Location(0, 3), 0)
+    assert plan is not None and not isinstance(plan, Malformed)
+    assert [o.object_id for o in plan.objects] == [1, 2]
+    assert plan.end_location == Location(0, 2)
+    assert cache.lookup(key, Location(0, 0), Location(0, 0), 0) is None  # group end unknown
+    assert cache.lookup(key, Location(0, 0), Location(0, 9), 0) is None  # beyond what is held
+    assert cache.lookup(key, Location(0, 0), Location(1, 1), 0) is None  # another group
+    cache.set_group_end(key, 0, 3)
+    whole = cache.lookup(key, Location(0, 0), Location(0, 0), 0)
+    assert whole is not None and not isinstance(whole, Malformed)
+    assert len(whole.objects) == 4
+    clamped = cache.lookup(key, Location(0, 2), Location(0, 99), 0)
+    assert clamped is not None and not isinstance(clamped, Malformed)
+    assert [o.object_id for o in clamped.objects] == [2, 3]
+    gap = track(b"gap")
+    cache.put(gap, obj(0))
+    cache.put(gap, obj(2))
+    assert cache.lookup(gap, Location(0, 0), Location(0, 3), 0) is None
+
+
+def test_identical_copies_are_duplicates_and_differing_ones_malformed() -> None:
+    cache = ObjectCache(1 << 20, tombstone_ms=1000)
+    key = track(b"t")
+    cache.put(key, obj(0, b"same"))
+    assert cache.put(key, obj(0, b"same", at=5)) == PutResult.DUPLICATE
+    assert cache.put(key, obj(0, b"diff", at=10)) == PutResult.MALFORMED
+    assert key not in cache
+    assert cache.lookup(key, Location(0, 0), Location(0, 1), 500) is Malformed.TRACK
+    assert cache.put(key, obj(0, b"same", at=600)) == PutResult.REFUSED
+    assert not cache.is_malformed(key, 1010)  # the tombstone lapses
+    assert cache.put(key, obj(0, b"same", at=1010)) == PutResult.STORED
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        obj(0, b"x", subgroup=1),
+        obj(0, b"x", subgroup=None),
+        obj(0, b"x", priority=3),
+        obj(0, b"", status=ObjectStatus.END_OF_GROUP),
+    ],
+)
+def test_other_properties_that_may_not_change(other: CachedObject) -> None:
+    cache = ObjectCache(1 << 20)
+    key = track(b"t")
+    cache.put(key, obj(0, b"x"))
+    assert cache.put(key, other) == PutResult.MALFORMED
+
+
+def test_an_inherited_priority_is_not_a_conflict() -> None:
+    cache = ObjectCache(1 << 20)
+    key = track(b"t")
+    cache.put(key, obj(0, b"x", priority=None))
+    assert cache.put(key, obj(0, b"x", priority=9)) == PutResult.DUPLICATE
+
+
+def test_objects_expire_max_cache_duration_after_arrival() -> None:
+    cache = ObjectCache(1 << 20)
+    key = track(b"t")
+    cache.open_track(key, max_cache(100))
+    cache.put(key, obj(0, at=0))
+    cache.put(key, obj(1, at=50))
+    assert cache.get(key, Location(0, 0), 99) is not None
+    assert cache.get(key, Location(0, 0), 100) is None  # must not start forwarding it now
+    assert cache.lookup(key, Location(0, 0), Location(0, 2), 100) is None
+    assert cache.get(key, Location(0, 1), 149) is not None
+    assert cache.expire(150) == [key]
+    assert key not in cache and cache.size == 0
+
+
+def test_lru_victims_skip_pinned_tracks_until_the_rest_fits() -> None:
+    cache = ObjectCache(3 * (100 + 64))
+    keys = [track(b"%d" % i) for i in range(4)]
+    for key in keys:
+        cache.put(key, obj(0, b"x" * 100))
+    assert cache.over_budget
+    cache.touch(keys[0])  # now 1 is the least recently used
+    assert cache.victims(lambda k: False) == [keys[1]]
+    assert cache.victims(lambda k: False) == []  # already proposed
+    cache.keep(keys[1])
+    assert cache.victims(lambda k: k == keys[1]) == [keys[2]]
+    cache.evict(keys[2])
+    assert cache.size <= cache.budget and keys[2] not in cache
+
+
+def test_objects_past_the_hard_limit_are_not_cached() -> None:
+    cache = ObjectCache(100, hard_limit=200)
+    assert cache.put(track(b"a"), obj(0, b"x" * 100)) == PutResult.STORED
+    assert cache.put(track(b"b"), obj(0, b"x" * 100)) == PutResult.REFUSED
+    with pytest.raises(ValueError):
+        ObjectCache(100, hard_limit=50)
+
+
+# --- routing ------------------------------------------------------------------------------------
+
+
+def test_routes_match_the_longest_prefix_field_by_field() -> None:
+    routes: NamespaceRoutes[str] = NamespaceRoutes()
+    assert routes.announce((b"foo",), "short")
+    assert routes.announce((b"foo", b"bar"), "long")
+    assert routes.route((b"foo", b"bar", b"baz")) == "long"
+    assert routes.route((b"foo", b"barn")) == "short"
+    assert routes.route((b"foob",)) is None
+    assert routes.route((b"foo", b"bar"), exclude="long") == "short"
+    assert not routes.announce((b"foo",), "again")
+    assert routes.route((b"foo", b"x")) == "again"  # the latest among equals
+    assert not routes.withdraw((b"foo",), "again")
+    assert routes.route((b"foo", b"x")) == "short"
+    assert sorted(routes.under((b"foo",))) == [(b"foo",), (b"foo", b"bar")]
+    assert routes.withdraw_source("short") == [(b"foo",)]
+    assert routes.withdraw_source("long") == [(b"foo", b"bar")]
+
+
+def test_namespace_subscribers_get_suffixes_and_overlaps_are_refused() -> None:
+    subs: NamespaceSubscribers[str] = NamespaceSubscribers()
+    subs.add("s1", 2, (b"kvsp", b"1"))
+    assert subs.overlaps("s1", (b"kvsp",))
+    assert subs.overlaps("s1", (b"kvsp", b"1", b"c"))
+    assert not subs.overlaps("s1", (b"other",))
+    assert not subs.overlaps("s2", (b"kvsp",))
+    subs.add("s2", 4, ())
+    found = {(s.session, suffix) for s, suffix in subs.interested((b"kvsp", b"1", b"c", b"s"))}
+    assert found == {("s1", (b"c", b"s")), ("s2", (b"kvsp", b"1", b"c", b"s"))}
+    subs.remove_session("s2")
+    subs.remove("s1", 2)
+    assert subs.interested((b"kvsp", b"1")) == []
+
+
+def test_delivery_filters() -> None:
+    largest = Location(3, 5)
+    everything = DeliveryFilter.of(None, largest, None)
+    assert everything.wants(0, 0)
+    latest = DeliveryFilter.of(
+        SubscriptionFilter(filter_type=FilterType.LARGEST_OBJECT), largest, 1
+    )
+    assert not latest.wants(3, 5) and latest.wants(3, 6)
+    nxt = DeliveryFilter.of(SubscriptionFilter(filter_type=FilterType.NEXT_GROUP_START), largest, 1)
+    assert not nxt.wants(3, 9) and nxt.wants(4, 0)
+    ranged = SubscriptionFilter(
+        filter_type=FilterType.ABSOLUTE_RANGE, start=Location(1, 2), end_group=2
+    )
+    window = DeliveryFilter.of(ranged, None, None)
+    assert not window.wants(1, 1) and window.wants(2, 9) and not window.wants(3, 0)
+    assert not DeliveryFilter.of(None, None, 0).wants(0, 0)
+
+
+# --- KV tracks, ingest --------------------------------------------------------------------------
+
+
+def test_namespaces_are_classified_for_authorization() -> None:
+    block = make_block(60)
+    assert classify(block.namespace) == Scoped(SCOPE_A)
+    assert classify(block.namespace[:4]) == Scoped(SCOPE_A)
+    assert classify(block.namespace[:3]) == Broad()
+    assert classify((b"kvsp", b"2", *block.namespace[2:])) == Broad()
+    assert classify((b"kvsp", b"1", b"C" * 64, b"0" * 32)) == Broad()
+    assert classify((b"other",)) == Plain()
+    assert block_track(block.track) is not None
+    assert block_track((block.namespace, b"live-x")) is None
+    assert block_track((block.namespace[:4], block.name)) is None
+
+
+def _start(
+    object_id: int, payload: bytes, extensions: tuple[KeyValuePair, ...] = ()
+) -> ObjectStart:
+    return ObjectStart(
+        group_id=0,
+        subgroup_id=0,
+        object_id=object_id,
+        publisher_priority=None,
+        extensions=extensions,
+        payload_length=len(payload),
+    )
+
+
+def test_ingest_completes_a_replica_when_the_layer_digests_hash_to_the_name() -> None:
+    block = make_block(61)
+    cache = ObjectCache(1 << 20)
+    ingest = ObjectIngest(cache, block.track)
+    replicas = []
+    for index, (payload, extensions) in enumerate(block.objects()):
+        assert ingest.begin(7, _start(index, payload, extensions), 0) is None
+        half = len(payload) // 2
+        assert ingest.data(7, memoryview(payload)[:half], 0) is None
+        assert ingest.data(7, memoryview(payload)[half:], 0) is None
+        replicas.append(ingest.end(7, 0).replica)
+    assert replicas[:3] == [None, None, None]
+    replica = replicas[3]
+    assert replica is not None and replica.layer_digests == block.digests
+    assert replica.size == 20 + 4 * 16 + 4 * 1024  # KVB1 header, 4 length entries, payloads
+    entry = cache.track(block.track)
+    assert entry is not None and entry.group_ends == {0: 3}
+    assert complete_replica(replica.block, entry) == replica
+
+
+def test_ingest_catches_a_differing_copy_before_forwarding_it() -> None:
+    block = make_block(62)
+    cache = ObjectCache(1 << 20)
+    payload, extensions = block.objects()[0]
+    first = ObjectIngest(cache, block.track)
+    first.begin(1, _start(0, payload, extensions), 0)
+    first.data(1, memoryview(payload), 0)
+    first.end(1, 0)
+    again = ObjectIngest(cache, block.track)
+    assert again.begin(3, _start(0, payload, extensions), 0) is None
+    assert again.data(3, memoryview(payload)[:10], 0) is None  # same bytes so far
+    reason = again.data(3, memoryview(b"X" * 10), 0)
+    assert reason is not None and cache.is_malformed(block.track, 0)
+
+
+def test_ingest_drops_a_layer_whose_digest_does_not_match() -> None:
+    block = make_block(63)
+    cache = ObjectCache(1 << 20)
+    ingest = ObjectIngest(cache, block.track)
+    wrong = (layer_digest_extension(hashlib.sha256(b"other").digest()),)
+    ingest.begin(1, _start(0, block.layers[0], wrong), 0)
+    ingest.data(1, memoryview(block.layers[0]), 0)
+    ended = ingest.end(1, 0)
+    assert ended.malformed is not None and block.track not in cache
+
+
+def test_status_objects_and_fins_end_groups() -> None:
+    cache = ObjectCache(1 << 20)
+    key = track(b"t")
+    ingest = ObjectIngest(cache, key)
+    ingest.begin(1, _start(0, b"ab"), 0)
+    ingest.data(1, memoryview(b"ab"), 0)
+    ingest.end(1, 0)
+    status = ObjectStart(
+        group_id=0,
+        subgroup_id=0,
+        object_id=1,
+        publisher_priority=None,
+        extensions=(),
+        payload_length=0,
+        status=ObjectStatus.END_OF_GROUP,
+    )
+    ingest.begin(1, status, 0)
+    entry = cache.track(key)
+    assert entry is not None and entry.group_ends == {0: 0} and len(entry.objects) == 1
+    normal = replace(status, group_id=1, object_id=0, status=ObjectStatus.NORMAL)
+    ingest.begin(5, normal, 0)
+    ingest.stream_finished(5, end_of_group=True)
+    assert entry.group_ends == {0: 0, 1: 0}
+
+
+# --- access -------------------------------------------------------------------------------------
+
+
+def _principal(roles: set[str], scopes: set[bytes] | None) -> Principal:
+    return Principal(
+        name="p", roles=frozenset(roles), scopes=None if scopes is None else frozenset(scopes)
+    )
+
+
+def test_access_rules() -> None:
+    block = make_block(64)
+    client = _principal({"client"}, {SCOPE_A})
+    instance = _principal({"instance"}, {SCOPE_A})
+    admin = _principal({"admin"}, None)
+    assert access.may_access(client, block.namespace)
+    assert not access.may_access(client, block.namespace, publish=True)
+    assert access.may_access(instance, block.namespace[:4], publish=True)
+    assert not access.may_access(client, make_block(65, scope=SCOPE_B).namespace)
+    assert not access.may_access(client, (b"plain",))
+    assert not access.may_access(instance, (b"kvsp", b"1"), publish=True)
+    assert access.may_access(admin, (b"plain",), publish=True)
+    assert access.may_access(access.ANONYMOUS, (b"plain",))
+
+
+def test_session_tokens() -> None:
+    principals = Principals.from_entries(
+        [principal_entry("c", "token-c-0123456789", ["client"], [SCOPE_A])]
+    )
+
+    def use(value: bytes) -> AuthToken:
+        return AuthToken(alias_type=TokenAliasType.USE_VALUE, token_type=0, token_value=value)
+
+    assert access.authenticate(principals, (use(b"token-c-0123456789"),), 0).name == "c"
+    for tokens in [(), (use(b"wrong"),), (use(b"\xff\xfe"),)]:
+        with pytest.raises(Unauthorized):
+            access.authenticate(principals, tokens, 0)
+    assert access.authenticate(None, (), 0) is access.ANONYMOUS
+    session = access.ANONYMOUS
+    assert access.request_principal(principals, session, (), 0) is session
+
+
+def test_the_relay_core_is_sans_io() -> None:
+    """House rule 1: cache, routing, KV tracks and ingest load no I/O package at all."""
+    code = (
+        "import sys, relay.cache, relay.routing, relay.kv, relay.ingest\n"
+        "print(sorted(m for m in ('asyncio', 'starlette', 'httpx', 'uvicorn', 'socket',"
+        " 'aioquic.asyncio', 'qh3.asyncio') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,362 @@
+"""BlockClient against the test holder (a real uvicorn process): §6.7 verification of every
+returned block, fall-through over replicas (§6.1), storage with ``If-None-Match: *`` and
+leases (§6.6)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import socket
+import sys
+from collections.abc import Awaitable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import pytest
+
+from kvsp.container import Container, Geometry, decode_container, replica_digest
+from kvsp.errors import (
+    ContainerError,
+    DigestMismatch,
+    Incompatible,
+    LayersUnavailable,
+    LeaseQuota,
+    NotFound,
+    Unauthorized,
+)
+from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.records import LeaseRequest, ReplicaRecord
+from kvsp.services.block_client import (
+    BlockClient,
+    FetchStats,
+    UnsupportedHolder,
+    VerifiedBlock,
+    block_base,
+    lease_base,
+)
+from kvsp.services.bulk import BulkClient, ConnectionClosed, RequestTimeout
+from kvsp.services.client_base import TransportError
+from kvsp.services.testing import RunningService, start_process
+
+SERVER = Path(__file__).resolve().parent / "bulk_server_for_tests.py"
+COMPAT, SCOPE = CompatId(bytes(range(32))), ScopeId(bytes(range(16)))
+KEY = BlockKey(hashlib.sha256(b"block-client").digest())
+T = TypeVar("T")
+
+
+def _load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvsp_bulk_server_for_tests", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+srv = _load(SERVER)
+GEOMETRY = srv.GEOMETRY
+EXPECTED = decode_container(srv.block_container(KEY))
+DIGESTS = tuple(EXPECTED.layer_digests())
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def main() -> T:
+        return await coro
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    folder = tmp_path_factory.mktemp("holder")
+    with start_process([sys.executable, str(SERVER)], workdir=folder) as running:
+        yield running
+
+
+def record(holder: str, key: bytes = KEY, **changes: Any) -> ReplicaRecord:
+    """The Replica Record of the test holder's block ``key`` at ``holder``."""
+    digests = tuple(decode_container(srv.block_container(key)).layer_digests())
+    fields: dict[str, Any] = {
+        "block_key": BlockKey(key),
+        "compat_id": COMPAT,
+        "scope_id": SCOPE,
+        "holder": holder,
+        "codec": 1,
+        "size": 65_536,
+        "digest": replica_digest(digests),
+        "layer_digests": digests,
+        "residency": None,
+        "ttl_ms": 60_000,
+    }
+    fields.update(changes)
+    return ReplicaRecord(**fields)
+
+
+def get(holder: str, rec: ReplicaRecord | None = None, **kw: Any) -> VerifiedBlock:
+    async def main() -> VerifiedBlock:
+        async with BlockClient(srv.TOKEN, hashing=kw.pop("hashing", "split")) as client:
+            return await client.get_block(holder, rec or record(holder), geometry=GEOMETRY, **kw)
+
+    return run(main())
+
+
+def same_layers(block: Container, first: int, last: int) -> bool:
+    want = EXPECTED.select(first, last)
+    return [(bytes(a.k), bytes(a.v)) for a in block.layers] == [
+        (bytes(b.k), bytes(b.v)) for b in want.layers
+    ]
+
+
+HASHING = ["inline", "thread", "split"]
+
+
+@pytest.mark.parametrize("hashing", HASHING)
+@pytest.mark.parametrize("mode", ["good", "chunked"])
+def test_whole_block_is_verified(server: RunningService, mode: str, hashing: str) -> None:
+    holder = f"{server.base_url}{mode}/"
+    block = get(holder, hashing=hashing)
+    assert isinstance(block, VerifiedBlock) and isinstance(block, Container)
+    assert (block.first_layer, block.layer_count, block.token_count) == (0, 8, srv.TOKENS)
+    assert block.producer_verified and block.source == holder and same_layers(block, 0, 7)
+    assert block.digest() == record(holder).digest
+
+
+@pytest.mark.parametrize("hashing", HASHING)
+@pytest.mark.parametrize("mode", ["good", "chunked"])
+def test_layer_range(server: RunningService, mode: str, hashing: str) -> None:
+    block = get(f"{server.base_url}{mode}/", layers=(3, 7), hashing=hashing)
+    assert (block.first_layer, block.layer_count) == (3, 5) and same_layers(block, 3, 7)
+
+
+def test_asking_for_the_replica_codec(server: RunningService) -> None:
+    assert get(f"{server.base_url}good/", codec=1).producer_verified
+
+
+@pytest.mark.parametrize("hashing", HASHING)
+@pytest.mark.parametrize(
+    ("mode", "error", "match"),
+    [
+        ("badrepr", DigestMismatch, "Repr-Digest"),
+        ("norepr", DigestMismatch, "no Repr-Digest"),
+        ("garbled", DigestMismatch, "malformed Repr-Digest"),
+        ("flip", DigestMismatch, "layer 5"),
+        ("truncate", ConnectionClosed, "closed"),
+        ("missing", NotFound, "no such block"),
+        ("transcode", Incompatible, "codec 2"),
+    ],
+)
+def test_bad_answers_never_hand_out_a_block(
+    server: RunningService, mode: str, error: type[Exception], match: str, hashing: str
+) -> None:
+    with pytest.raises(error, match=match):
+        get(f"{server.base_url}{mode}/", hashing=hashing)
+
+
+def test_flipped_octet_in_a_range(server: RunningService) -> None:
+    with pytest.raises(DigestMismatch, match="layer"):
+        get(f"{server.base_url}flip/", layers=(4, 7))
+
+
+def test_layers_the_holder_lacks(server: RunningService) -> None:
+    holder = f"{server.base_url}good/"
+    digests = DIGESTS + DIGESTS  # a record of 16 layers; the holder has 8
+    rec = record(holder, layer_digests=digests, digest=replica_digest(digests))
+    with pytest.raises(LayersUnavailable):
+        get(holder, rec, layers=(9, 10))
+
+
+def test_records_that_cannot_verify(server: RunningService) -> None:
+    holder = f"{server.base_url}good/"
+    with pytest.raises(DigestMismatch, match="record"):
+        get(holder, record(holder, digest=bytes(32)))
+    with pytest.raises(Incompatible, match="no layer_digests"):
+        get(holder, record(holder, layer_digests=None), layers=(1, 2))
+    with pytest.raises(Incompatible, match="layers 3-9"):
+        get(holder, layers=(3, 9))
+    with pytest.raises(UnsupportedHolder):
+        get("moqt://relay.example/", record("moqt://relay.example/", moqt_namespace=b"x"))
+    with pytest.raises(UnsupportedHolder):
+        get("http:///no-host", record(holder))
+
+
+def test_record_without_layer_digests_checks_the_replica_digest(server: RunningService) -> None:
+    holder = f"{server.base_url}good/"
+    assert same_layers(get(holder, record(holder, layer_digests=None)), 0, 7)
+    with pytest.raises(DigestMismatch, match="replica digest"):
+        get(holder, record(holder, layer_digests=None, digest=bytes(32)))
+
+
+def test_layers_land_in_a_caller_sink(server: RunningService) -> None:
+    section = GEOMETRY.section_length(srv.TOKENS)
+    pages = {i: (bytearray(section), bytearray(section)) for i in range(8)}
+
+    class Sink:
+        def layer_buffer(self, index: int, k: int, v: int) -> tuple[memoryview, memoryview]:
+            return memoryview(pages[index][0]), memoryview(pages[index][1])
+
+    block = get(f"{server.base_url}chunked/", layers=(2, 4), sink=Sink())
+    assert same_layers(block, 2, 4)
+    assert bytes(pages[3][1]) == bytes(EXPECTED.layers[3].v)
+
+
+def test_wrong_token(server: RunningService) -> None:
+    async def main() -> None:
+        async with BlockClient("wrong") as client:
+            holder = f"{server.base_url}good/"
+            await client.get_block(holder, record(holder), geometry=GEOMETRY)
+
+    with pytest.raises(Unauthorized):
+        run(main())
+
+
+# -- fetch ---------------------------------------------------------------------------------------
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_fetch_falls_through_to_the_first_good_replica(server: RunningService) -> None:
+    base = server.base_url
+    dead = f"http://127.0.0.1:{closed_port()}/"
+    holders = [f"{base}{m}/" for m in ("missing", "flip", "truncate", "badrepr", "norepr")]
+    replicas = [record(h) for h in [dead, *holders]]
+    replicas.insert(2, record("moqt://relay.example/", moqt_namespace=b"x"))
+    replicas += [record(f"{base}chunked/"), record(f"{base}good/")]
+
+    async def main() -> tuple[VerifiedBlock | None, FetchStats]:
+        async with BlockClient(srv.TOKEN) as client:
+            return await client.fetch(replicas, layers=(1, 6), geometry=GEOMETRY), client.stats
+
+    block, stats = run(main())
+    assert block is not None and block.source == f"{base}chunked/" and same_layers(block, 1, 6)
+    errors = {holder: s.errors for holder, s in stats.sources.items()}
+    assert errors == {
+        dead: {"TransportError": 1},
+        f"{base}missing/": {"NotFound": 1},
+        f"{base}flip/": {"DigestMismatch": 1},
+        f"{base}truncate/": {"ConnectionClosed": 1},
+        f"{base}badrepr/": {"DigestMismatch": 1},
+        f"{base}norepr/": {"DigestMismatch": 1},
+        f"{base}chunked/": {},
+    }
+    good = stats.sources[f"{base}chunked/"]
+    assert good.successes == 1 and good.octets == 6 * 2 * GEOMETRY.section_length(srv.TOKENS)
+    assert good.seconds > 0 and (stats.mbit_per_s(f"{base}chunked/") or 0) > 0
+    assert stats.mbit_per_s(f"{base}flip/") is None and len(stats.recent) == 7
+
+
+def test_fetch_returns_none_when_every_replica_fails(server: RunningService) -> None:
+    replicas = [record(f"{server.base_url}{m}/") for m in ("missing", "flip")]
+
+    async def main() -> VerifiedBlock | None:
+        async with BlockClient(srv.TOKEN) as client:
+            return await client.fetch(replicas, geometry=GEOMETRY)
+
+    assert run(main()) is None
+
+
+def test_fetch_moves_on_from_a_silent_holder(server: RunningService) -> None:
+    async def main() -> tuple[VerifiedBlock | None, FetchStats]:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await asyncio.sleep(10)
+            finally:
+                writer.close()
+
+        hang = await asyncio.start_server(silent, "127.0.0.1", 0)
+        slow = f"http://127.0.0.1:{hang.sockets[0].getsockname()[1]}/"
+        async with hang, BlockClient(srv.TOKEN, timeout=0.3) as client:
+            replicas = [record(slow), record(f"{server.base_url}good/")]
+            return await client.fetch(replicas, geometry=GEOMETRY), client.stats
+
+    block, stats = run(main())
+    assert block is not None and block.source == f"{server.base_url}good/"
+    assert any(s.errors == {"RequestTimeout": 1} for s in stats.sources.values())
+    assert RequestTimeout.__mro__[1] is TransportError
+
+
+def test_bases_of_a_record() -> None:
+    rec = record("https://h1.example/kvsp")
+    assert block_base(rec) == lease_base(rec) == "https://h1.example/kvsp/"
+    relay = record("moqt://relay.example/", moqt_namespace=b"x", lease_base="http://r.example/")
+    assert lease_base(relay) == "http://r.example/"
+    with pytest.raises(UnsupportedHolder):
+        block_base(relay)
+
+
+# -- storage and leases --------------------------------------------------------------------------
+
+
+def test_put_then_get(server: RunningService) -> None:
+    key = BlockKey(hashlib.sha256(b"stored").digest())
+    data = srv.block_container(key)
+    holder = f"{server.base_url}store/"
+
+    async def main() -> tuple[bool, bool, VerifiedBlock]:
+        async with BlockClient(srv.TOKEN) as client:
+            first = await client.put_block(holder, COMPAT, SCOPE, key, data)
+            parts = decode_container(data).encode_parts()
+            again = await client.put_block(holder, COMPAT, SCOPE, key, parts)
+            block = await client.get_block(holder, record(holder, key), geometry=GEOMETRY)
+            return first, again, block
+
+    stored, again, block = run(main())
+    assert (
+        stored
+        and not again
+        and bytes(block.layers[7].v) == bytes(decode_container(data).layers[7].v)
+    )
+
+
+def test_put_refused(server: RunningService) -> None:
+    async def main() -> None:
+        async with BlockClient("wrong") as client:
+            await client.put_block(f"{server.base_url}store/", COMPAT, SCOPE, KEY, b"KVB1")
+
+    with pytest.raises(Unauthorized):
+        run(main())
+
+
+def test_lease_round_trip(server: RunningService) -> None:
+    holder = f"{server.base_url}good/"
+    request = LeaseRequest(compat_id=COMPAT, scope_id=SCOPE, block_keys=(KEY,), ttl_ms=2000)
+
+    async def main() -> None:
+        async with BulkClient() as bulk, BlockClient(srv.TOKEN, bulk=bulk) as client:
+            grant = await client.acquire_lease(holder, request)
+            assert grant.ttl_ms == 2000 and grant.block_keys == (KEY,)
+            renewed = await client.renew_lease(holder, grant.lease, 5000)
+            assert (renewed.lease, renewed.ttl_ms) == (grant.lease, 5000)
+            with pytest.raises(LeaseQuota):
+                await client.renew_lease(holder, grant.lease, 10**9)
+            await client.release_lease(holder, grant.lease)
+            with pytest.raises(NotFound):
+                await client.release_lease(holder, grant.lease)
+            with pytest.raises(LeaseQuota):
+                big = LeaseRequest(
+                    compat_id=COMPAT, scope_id=SCOPE, block_keys=(KEY,), ttl_ms=10**9
+                )
+                await client.acquire_lease(holder, big)
+            with pytest.raises(ValueError):
+                await client.release_lease(holder, "../blocks")
+
+    run(main())
+
+
+def test_malformed_container_is_a_container_error(server: RunningService) -> None:
+    key = BlockKey(hashlib.sha256(b"short").digest())
+    holder = f"{server.base_url}good/"
+    # the client expects another geometry: the container's lengths do not fit it
+
+    async def main() -> None:
+        async with BlockClient(srv.TOKEN) as client:
+            other = Geometry(8, 4, 64, 2)
+            await client.get_block(holder, record(holder, key), geometry=other)
+
+    with pytest.raises(ContainerError):
+        run(main())

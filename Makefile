@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[engine,redis,quic-fast,test]'
+	$(BIN)/python -m pip install -q -e '.[engine,redis,quic-fast,sim,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -225,7 +225,17 @@ def _add_serve_commands(sub: Any, load: bool) -> None:
         p.set_defaults(handler=module.run)
 
 
-def build_parser(load_services: bool = True) -> argparse.ArgumentParser:
+def _add_sim_command(sub: Any, load: bool) -> None:
+    """Add ``kvsp sim``; its modules are imported only when ``load`` is true."""
+    if load:
+        from kvsp.sim.cli import add_sim_command
+
+        add_sim_command(sub)
+    else:
+        sub.add_parser("sim", help="replay request traces through the placement policies (§6.4)")
+
+
+def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.ArgumentParser:
     """Build the ``kvsp`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="kvsp", description="KV Cache Storage Protocol (KVSP) reference implementation"
@@ -289,6 +299,7 @@ def build_parser(load_services: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--expires-ms", type=int, metavar="MS", help="expiry, ms since the epoch")
     p.add_argument("--replace", action="store_true", help="replace a principal of that name")
     p.set_defaults(handler=_cmd_token)
+    _add_sim_command(sub, load_sim)
     _add_serve_commands(sub, load_services)
     return parser
 
@@ -296,7 +307,7 @@ def build_parser(load_services: bool = True) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvsp`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(load_services=argv[:1] == ["serve"])
+    parser = build_parser(load_services=argv[:1] == ["serve"], load_sim=argv[:1] == ["sim"])
     args = parser.parse_args(argv)
     try:
         status: int = args.handler(args)

@@ -197,16 +197,19 @@ def test_a_flipped_octet_is_caught_and_nothing_is_handed_out(services: Services)
             (record,) = await services.lookup(2)
             server, proxy = await corrupting_proxy(holder, SIZE - 100)  # in the last layer
             range_server, range_proxy = await corrupting_proxy(holder, 100)  # in layer 8
-            async with server, range_server:
+            # The proxy flips the first response of each connection only, and the client may
+            # reuse a connection, so each step gets a proxy (an origin) of its own.
+            fetch_server, fetch_proxy = await corrupting_proxy(holder, SIZE - 100)
+            async with server, range_server, fetch_server:
                 with pytest.raises(DigestMismatch, match="layer 9"):
                     await client.get_block(proxy, record, geometry=GEOMETRY)
                 with pytest.raises(DigestMismatch, match="layer 8"):
                     await client.get_block(range_proxy, record, layers=(8, 9), geometry=GEOMETRY)
-                # the same replica through the proxy, then straight: fetch moves on
-                relayed = [dataclasses.replace(record, holder=proxy), record]
+                # the same replica through a proxy, then straight: fetch moves on
+                relayed = [dataclasses.replace(record, holder=fetch_proxy), record]
                 block = await client.fetch(relayed, geometry=GEOMETRY)
         assert block is not None and block.source == holder
-        assert client.stats.sources[proxy].errors == {"DigestMismatch": 1}
+        assert client.stats.sources[fetch_proxy].errors == {"DigestMismatch": 1}
 
     run(main())
 

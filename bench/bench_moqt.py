@@ -1,6 +1,7 @@
 """MOQT goodput on loopback: 2 MiB blocks (32 objects × 64 KiB) by FETCH, beside raw QUIC.
 
-Run: ``.venv/bin/python bench/bench_moqt.py [--seconds S] [--backends aioquic,qh3]``.
+Run: ``.venv/bin/python bench/bench_moqt.py [--seconds S] [--backends aioquic,qh3]
+[--paths-only | --no-paths]``.
 
 For every backend × max_datagram_size the server runs in its own process (so each side has a
 core) with both a MOQT server and a raw QUIC server; the client fetches whole blocks one after
@@ -9,12 +10,22 @@ reads the same bytes over raw QUIC (one bidi stream per block, the server writin
 use the same QUIC settings: the given datagram size, 64 MiB / 32 MiB flow-control windows and
 4 MiB socket buffers. Goodput counts payload bytes only. The table gives MOQT/raw and each MOQT
 figure against aioquic at its default 1200-byte datagrams.
+
+A second table puts the same 2 MiB block on every path side by side: a plain TCP stream
+(blocking sockets, the transport ceiling); HTTP GET from ``kvsp serve holder`` with
+:class:`~kvsp.services.block_client.BlockClient` (the chosen bulk client, verifying
+Repr-Digest and layer digests as §6.7 asks); MOQT FETCH with
+:class:`~kvsp.services.moqt_transport.MoqtBlockClient` (verifying every layer) straight from a
+publisher; and, when ``relay.app`` exists, publisher → relay → subscriber: FETCH forwarded
+upstream (a cache miss per block), FETCH served from the relay's cache, and a live track fanned
+out by the relay to 8 subscribers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import importlib
 import multiprocessing
@@ -22,16 +33,21 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvsp.container import Geometry, encode_container, layer_digest, replica_digest  # noqa: E402
+from kvsp.ids import BlockKey, CompatId, ScopeId  # noqa: E402
+from kvsp.records import ReplicaRecord  # noqa: E402
 from moqt.asyncio import MOQTConnection, connect, serve, tune_socket  # noqa: E402
 from moqt.backend import TransportConfig, available_backends, get_backend  # noqa: E402
 from moqt.certs import make_self_signed  # noqa: E402
 from moqt.messages import StandaloneFetch  # noqa: E402
+from moqt.namespace import kv_namespace  # noqa: E402
 from moqt.objects import layer_digest_extension  # noqa: E402
 from moqt.session_events import FetchReceived, ObjectData  # noqa: E402
 from moqt.wire import Location  # noqa: E402
@@ -249,11 +265,20 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
     parser.add_argument("--backends", default=",".join(available_backends()))
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--paths-only", action="store_true", help="only the paths table")
+    parser.add_argument("--no-paths", action="store_true", help="only the MOQT/raw table")
     args = parser.parse_args()
     backends = args.backends.split(",")
     sizes = [int(size) for size in args.sizes.split(",")]
     folder = tempfile.mkdtemp(prefix="bench-moqt-")
     cert, key = (str(path) for path in make_self_signed("localhost", folder))
+    if not args.paths_only:
+        moqt_table(backends, sizes, cert, key, args.seconds)
+    if not args.no_paths:
+        paths_table(backends, cert, key, args.seconds)
+
+
+def moqt_table(backends: list[str], sizes: list[int], cert: str, key: str, seconds: float) -> None:
     versions = ", ".join(f"{name} {get_backend(name).version}" for name in backends)
     print(f"# MOQT d16 FETCH of 2 MiB blocks (32 x 64 KiB) vs raw QUIC, loopback; {versions}")
     print("# windows 64 MiB / 32 MiB, SO_RCVBUF/SO_SNDBUF 4 MiB, blocks one after another")
@@ -262,7 +287,7 @@ def main() -> None:
         for size in sizes:
             datagram = size or LARGEST[backend]
             try:
-                moqt, raw = measure(backend, datagram, cert, key, args.seconds)
+                moqt, raw = measure(backend, datagram, cert, key, seconds)
             except Exception as exc:  # noqa: BLE001 - a size the backend refuses is a result
                 print(f"{backend} {datagram}: failed: {type(exc).__name__}: {exc}")
                 continue
@@ -282,6 +307,400 @@ def main() -> None:
         best = max(rows, key=lambda r: r[2])
         ratio = best[2] / baseline
         print(f"best: {best[0]} {best[1]} B: {best[2]:.1f} MB/s = {ratio:.1f}x aioquic-1200")
+
+
+# --- the same block on every path -----------------------------------------------------------------
+
+GEOMETRY = Geometry(layers=32, kv_heads=8, head_dim=128, element_size=2)
+TOKENS = 16  # 16 tokens x 8 heads x 128 x fp16 = 32 KiB per K or V: the 64 KiB objects above
+COMPAT = CompatId(b"\xbe" * 32)
+SCOPE = ScopeId(b"\x5b" * 16)
+KV_LAYERS = [(layer[: len(layer) // 2], layer[len(layer) // 2 :]) for layer in LAYERS]
+CONTAINER = encode_container(KV_LAYERS, first_layer=0, token_count=TOKENS, geometry=GEOMETRY)
+KV_DIGESTS = [layer_digest(k, v) for k, v in KV_LAYERS]
+FANOUT = 8
+
+
+def block_key(n: int) -> BlockKey:
+    return BlockKey(hashlib.sha256(b"bench-key-%d" % n).digest())
+
+
+def block_record(holder: str, key: BlockKey) -> ReplicaRecord:
+    return ReplicaRecord(
+        block_key=key,
+        compat_id=COMPAT,
+        scope_id=SCOPE,
+        holder=holder,
+        codec=1,
+        size=len(CONTAINER),
+        digest=replica_digest(KV_DIGESTS),
+        layer_digests=tuple(KV_DIGESTS),
+        residency=None,
+        ttl_ms=600_000,
+        moqt_namespace=b"".join(bytes([len(f)]) + f for f in kv_namespace(COMPAT, SCOPE, key)),
+    )
+
+
+def tcp_server_main(pipe: Connection) -> None:
+    """Answer each 8-octet size on a connection with that many octets of the block."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    pipe.send(listener.getsockname()[1])
+    view = memoryview(CONTAINER)
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while header := conn.recv(8):
+                left = int.from_bytes(header, "big")
+                while left > 0:
+                    left -= conn.send(view[: min(left, len(view))])
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    pipe.recv()
+
+
+def run_tcp(port: int, seconds: float) -> float:
+    buffer = memoryview(bytearray(len(CONTAINER)))
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+
+        async def block() -> int:
+            conn.sendall(len(CONTAINER).to_bytes(8, "big"))
+            got = 0
+            while got < len(CONTAINER):
+                got += conn.recv_into(buffer[got:])
+            return got - (len(CONTAINER) - len(BLOCK))  # count the layers' octets, as above
+
+        return asyncio.run(timed(block, seconds))
+
+
+def in_process(target: Any, *args: Any) -> tuple[Any, Connection, Any]:
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=target, args=(*args, child))
+    process.start()
+    return process, parent, parent.recv()
+
+
+def stop(process: Any, pipe: Connection) -> None:
+    with contextlib.suppress(OSError):
+        pipe.send("stop")
+    process.join(10)
+    if process.is_alive():
+        process.kill()
+
+
+def measure_tcp(seconds: float) -> float:
+    process, pipe, port = in_process(tcp_server_main)
+    try:
+        return run_tcp(port, seconds)
+    finally:
+        stop(process, pipe)
+
+
+def measure_http(seconds: float) -> float:
+    """kvsp serve holder, one block PUT, then verified GETs with BlockClient."""
+    import httpx
+
+    from kvsp.compat import CompatibilityDescriptor, compat_id
+    from kvsp.services.auth import principal_entry, write_principals
+    from kvsp.services.block_client import BlockClient
+    from kvsp.services.testing import start_process
+
+    descriptor = CompatibilityDescriptor(
+        model="bench",
+        model_digest=b"\x01" * 32,
+        tokenizer_digest=b"\x02" * 32,
+        layers=GEOMETRY.layers,
+        kv_heads=GEOMETRY.kv_heads,
+        head_dim=GEOMETRY.head_dim,
+        kv_dtype="fp16",
+        positional="rope",
+        block_tokens=TOKENS,
+    )
+    compat = CompatId(compat_id(descriptor))
+    token = "bench-token-0123456789abcdefghijklmnop"
+    folder = Path(tempfile.mkdtemp(prefix="bench-holder-"))
+    principals = folder / "principals.toml"
+    write_principals(principals, [principal_entry("bench", token, ["admin"], None)])
+    argv = [sys.executable, "-m", "kvsp", "serve", "holder", "--listen", "127.0.0.1:0"]
+    argv += ["--principals", str(principals), "--state", str(folder / "state")]
+    argv += ["--tier", f"host={4 * len(CONTAINER)}"]
+    auth = {"authorization": f"Bearer {token}"}
+    key = block_key(0)
+    with start_process(argv, workdir=folder) as holder, httpx.Client(timeout=30) as http:
+        base = holder.base_url
+        http.put(f"{base}descriptors/{compat.hex()}", json=descriptor.to_json(), headers=auth)
+        url = f"{base}blocks/{compat.hex()}/{SCOPE.hex()}/{key.hex()}"
+        headers = auth | {"if-none-match": "*", "content-type": "application/kvsp-block"}
+        http.put(url, content=CONTAINER, headers=headers).raise_for_status()
+        record = replace(block_record(base, key), compat_id=compat, moqt_namespace=None)
+
+        async def run() -> float:
+            async with BlockClient(token) as client:
+
+                async def block() -> int:
+                    got = await client.get_block(base, record, geometry=GEOMETRY)
+                    return sum(layer.k.nbytes + layer.v.nbytes for layer in got.layers)
+
+                return await timed(block, seconds)
+
+        return asyncio.run(run())
+
+
+def publisher_main(backend: str, cert: str, key: str, pipe: Connection) -> None:
+    """A MOQT server publishing the block (serve_blocks) for direct FETCH."""
+    from kvsp.services.moqt_transport import MemoryBlocks, StoredBlock, serve_blocks
+
+    async def main() -> None:
+        blocks = MemoryBlocks()
+        blocks.add(StoredBlock.of(COMPAT, SCOPE, block_key(0), CONTAINER, geometry=GEOMETRY))
+        quic = get_backend(backend)
+        transport = transport_for(LARGEST[backend])
+        configuration = quic.configuration(
+            is_client=False, transport=transport, certificate=cert, private_key=key
+        )
+        server = await serve_blocks(
+            "127.0.0.1",
+            0,
+            configuration=configuration,
+            blocks=blocks,
+            backend=backend,
+            transport=transport,
+        )
+        pipe.send(server.address[1])
+        await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
+        server.close()
+
+    asyncio.run(main())
+
+
+def moqt_client(backend: str, **options: Any) -> Any:
+    from kvsp.services.moqt_transport import MoqtBlockClient
+
+    transport = transport_for(LARGEST[backend])
+    return MoqtBlockClient(backend=backend, transport=transport, timeout=30, **options)
+
+
+async def verified_blocks(client: Any, records: list[ReplicaRecord], seconds: float) -> float:
+    cursor = iter(range(1 << 30))
+
+    async def block() -> int:
+        record = records[next(cursor) % len(records)]
+        got = await client.get_block(record, geometry=GEOMETRY, block_tokens=TOKENS)
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in got.layers)
+
+    return await timed(block, seconds)
+
+
+def measure_moqt_client(backend: str, cert: str, key: str, seconds: float) -> float:
+    process, pipe, port = in_process(publisher_main, backend, cert, key)
+    try:
+
+        async def run() -> float:
+            async with moqt_client(backend, cafile=cert, server_name="localhost") as client:
+                record = block_record(f"moqt://127.0.0.1:{port}", block_key(0))
+                return await verified_blocks(client, [record], seconds)
+
+        return asyncio.run(run())
+    finally:
+        stop(process, pipe)
+
+
+RELAY_BLOCKS = 64  # distinct blocks, so that each forwarded FETCH misses the relay's cache
+
+
+def relay_publisher_main(backend: str, relay_url: str, pipe: Connection) -> None:
+    """An instance's session to the relay: its scope announced, RELAY_BLOCKS stored blocks,
+    and live tracks produced on command ("open N" then "go N")."""
+    from kvsp.services.moqt_transport import (
+        MemoryBlocks,
+        MoqtBlockPublisher,
+        StoredBlock,
+        parse_moqt_uri,
+    )
+
+    async def main() -> None:
+        blocks = MemoryBlocks()
+        for n in range(RELAY_BLOCKS):
+            blocks.add(StoredBlock.of(COMPAT, SCOPE, block_key(n), CONTAINER, geometry=GEOMETRY))
+        address = parse_moqt_uri(relay_url)
+        transport = transport_for(LARGEST[backend])
+        configuration = get_backend(backend).configuration(
+            is_client=True, transport=transport, verify=False
+        )
+        async with connect(
+            address.host,
+            address.port,
+            configuration=configuration,
+            backend=backend,
+            transport=transport,
+        ) as connection:
+            publisher = MoqtBlockPublisher(connection, blocks)
+            serving = asyncio.ensure_future(publisher.serve())
+            await publisher.announce(COMPAT, SCOPE)
+            pipe.send("ready")
+            writers: dict[int, Any] = {}
+            loop = asyncio.get_running_loop()
+            while (command := await loop.run_in_executor(None, pipe.recv)) != "stop":
+                verb, number = command.split()
+                n = int(number)
+                if verb == "open":
+                    writers[n] = publisher.publish_live(
+                        LIVE_PRODUCER, COMPAT, SCOPE, block_key(1000 + n), token_count=TOKENS
+                    )
+                else:
+                    for index, (k, v) in enumerate(KV_LAYERS):
+                        writers[n].send_layer(index, k, v)
+                        await asyncio.sleep(0)
+                    writers.pop(n).finish()
+                pipe.send("done")
+            serving.cancel()
+
+    asyncio.run(main())
+
+
+LIVE_PRODUCER = "http://bench-instance.example/kvsp/"
+
+
+def relay_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("relay.app") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def measure_relay(backend: str, seconds: float) -> list[tuple[str, float, str]]:
+    """Forwarded FETCH, cached FETCH and live fan-out through relay.app --open."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from interop.peers import start_our_relay
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-relay-"))
+    relay = start_our_relay(folder, "--backend", backend)
+    try:
+        process, pipe, _ = in_process(relay_publisher_main, backend, relay.url)
+        try:
+            return asyncio.run(_relay_rows(backend, relay.url, pipe, seconds))
+        finally:
+            stop(process, pipe)
+    finally:
+        relay.stop()
+
+
+async def _relay_rows(
+    backend: str, url: str, pipe: Connection, seconds: float
+) -> list[tuple[str, float, str]]:
+    records = [block_record(url, block_key(n)) for n in range(RELAY_BLOCKS)]
+    rows = []
+    async with moqt_client(backend, verify=False) as client:
+        started, count = time.perf_counter(), 0
+        for record in records:  # every block once: each FETCH goes upstream
+            await client.get_block(record, geometry=GEOMETRY, block_tokens=TOKENS)
+            count += 1
+            if count >= 4 and time.perf_counter() - started > seconds:
+                break
+        forwarded = count * len(BLOCK) / (time.perf_counter() - started) / 1e6
+        rows.append(("publisher -> relay -> subscriber, FETCH forwarded", forwarded, "cache miss"))
+        cached = await verified_blocks(client, records[:count], seconds)
+        rows.append(("publisher -> relay -> subscriber, FETCH cached", cached, "cache hit"))
+    rows.append(await _fanout(backend, url, pipe))
+    return rows
+
+
+async def _fanout(backend: str, url: str, pipe: Connection) -> tuple[str, float, str]:
+    """FANOUT subscribers of one live track through the relay, rounds of one block each."""
+    from kvsp.services.moqt_transport import MoqtBlockClient
+
+    loop = asyncio.get_running_loop()
+    clients = [moqt_client(backend, verify=False) for _ in range(FANOUT)]
+    total, elapsed = 0, 0.0
+    try:
+        for n in range(4):
+            pipe.send(f"open {n}")
+            await loop.run_in_executor(None, pipe.recv)
+            streams = [_live(client, url, n) for client in clients]
+            tasks = [asyncio.ensure_future(_drain(stream)) for stream in streams]
+            await asyncio.sleep(0.3)  # every SUBSCRIBE has reached the publisher
+            started = time.perf_counter()
+            pipe.send(f"go {n}")
+            sizes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            elapsed += time.perf_counter() - started
+            await loop.run_in_executor(None, pipe.recv)
+            total += sum(sizes)
+    finally:
+        for client in clients:
+            await MoqtBlockClient.aclose(client)
+    each = total / FANOUT / elapsed / 1e6
+    return (
+        f"live track, relay fan-out to {FANOUT} subscribers",
+        each,
+        f"{each * FANOUT:.1f} MB/s in all",
+    )
+
+
+def _live(client: Any, url: str, n: int) -> Any:
+    return client.subscribe_live(
+        url,
+        producer=LIVE_PRODUCER,
+        compat=COMPAT,
+        scope=SCOPE,
+        key=block_key(1000 + n),
+        geometry=GEOMETRY,
+        block_tokens=TOKENS,
+    )
+
+
+async def _drain(stream: Any) -> int:
+    block = await stream.block()
+    return sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
+
+
+def paths_table(backends: list[str], cert: str, key: str, seconds: float) -> None:
+    """The same 2 MiB block over every path, one after another, in one table."""
+    best = "qh3" if "qh3" in backends else backends[0]
+    print()
+    print("# one 2 MiB block (32 layers x 64 KiB), blocks one after another, loopback, verified")
+    print("# where the client verifies; MOQT at each backend's largest datagram")
+    rows: list[tuple[str, float, str]] = []
+    attempts: list[tuple[str, Any]] = [
+        ("plain TCP stream (blocking sockets)", lambda: measure_tcp(seconds)),
+        ("HTTP GET, kvsp serve holder + BlockClient", lambda: measure_http(seconds)),
+    ]
+    for backend in backends:
+        attempts.append(
+            (
+                f"MOQT FETCH direct, MoqtBlockClient ({backend})",
+                lambda b=backend: measure_moqt_client(b, cert, key, seconds),
+            )
+        )
+    for label, run in attempts:
+        try:
+            rows.append((label, run(), ""))
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
+            rows.append((label, 0.0, f"failed: {type(exc).__name__}: {exc}"[:90]))
+    if relay_available():
+        try:
+            rows += [
+                (f"{label} ({best})", rate, note)
+                for label, rate, note in measure_relay(best, seconds)
+            ]
+        except Exception as exc:  # noqa: BLE001
+            rows.append((f"relay ({best})", 0.0, f"failed: {type(exc).__name__}: {exc}"[:90]))
+    else:
+        rows.append(("relay", 0.0, "relay.app does not exist yet"))
+    tcp = rows[0][1] or None
+    print(f"{'path':58} {'MB/s':>8} {'ms/block':>9} {'vs TCP':>7}  note")
+    for label, rate, note in rows:
+        ms = f"{len(BLOCK) / 1e6 / rate * 1000:9.1f}" if rate else f"{'-':>9}"
+        versus = f"{rate / tcp:7.3f}" if rate and tcp else f"{'-':>7}"
+        print(f"{label:58} {rate:8.1f} {ms} {versus}  {note}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ and relays; the HTTP shell is :mod:`kvsp.services.holder_app`. Choices the spec 
   served, and ``?codec=`` naming any other codec is answered 406 (no transcoding yet).
 * A PUT container must match its descriptor's geometry (§4.3) and hold exactly
   ``block_tokens`` tokens (§4.2: only complete blocks have keys). It may hold a layer
-  sub-range; such a replica's record carries no ``layer_digests`` (the full list is known only
-  for a complete container) and its ``digest`` is the SHA-256 of the held layers' digests, so
-  a client can check it through Repr-Digest only.
+  sub-range, which it serves (ranges it lacks answer ``kvsp-layers-unavailable``) but does not
+  publish: a Replica Record's ``digest`` covers every layer (§4.3), which a holder of some
+  layers cannot know, and a record with any other value would mislead clients.
 * A PUT that could be stored only by evicting leased blocks fails with 507
   ``kvsp-insufficient-storage``; nothing is evicted.
 * Records are refreshed once a third of their granted TTL has passed, and withdrawn on
@@ -275,13 +275,13 @@ class Holder:
             codec=meta.codec,
             size=meta.size,
             digest=meta.digest,
-            layer_digests=meta.layer_digests if meta.complete else None,
+            layer_digests=meta.layer_digests,
             residency=(residency,),
             ttl_ms=self.config.record_ttl_ms,
         )
 
     async def _publish(self, block: StoredBlock) -> int:
-        if self.index is None or self._public_url is None:
+        if self.index is None or self._public_url is None or not block.meta.complete:
             return 0
         now = self.clock.now_ms()
         try:
@@ -293,6 +293,9 @@ class Holder:
         return 1
 
     async def _publish_batch(self, blocks: Sequence[StoredBlock]) -> int:
+        blocks = [block for block in blocks if block.meta.complete]  # see the module docstring
+        if not blocks:
+            return 0
         if len(blocks) == 1 or self.index is None or self._public_url is None:
             return sum([await self._publish(block) for block in blocks])
         now = self.clock.now_ms()

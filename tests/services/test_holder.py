@@ -310,17 +310,15 @@ def test_the_published_record() -> None:
     assert ReplicaRecord.from_json(record.to_json()) == record
 
 
-def test_a_sub_range_record_has_no_layer_digests() -> None:
+def test_a_sub_range_replica_is_served_but_not_published() -> None:
+    # A record's digest covers every layer (§4.3); a holder of layers 1..3 cannot state it.
     index = FakeIndex()
     holder = make_holder(index=index)
     put(holder, 1, container(1, first=1, count=3))
-    record = index.records[ref(1)]
-    assert record.layer_digests is None
-    assert record.residency is not None and (
-        record.residency[0].first,
-        record.residency[0].last,
-    ) == (1, 3)
-    assert ReplicaRecord.from_json(record.to_json()) == record
+    put(holder, 2)
+    assert ref(1) not in index.records and ref(2) in index.records
+    assert get(holder, 1, (2, 3)) == decode_container(container(1, 1, 3)).select(2, 3).encode()
+    assert run(holder.refresh_due()) >= 0 and ref(1) not in index.records
 
 
 def test_records_are_refreshed_at_a_third_of_the_granted_ttl() -> None:

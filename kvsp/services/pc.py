@@ -44,6 +44,7 @@ from kvsp.lifecycle import InstanceRegistry, check_transition
 from kvsp.placement import PlacementDecision, choose_instance
 from kvsp.records import (
     InstanceStatusRecord,
+    Link,
     LookupRequest,
     PlaceRequest,
     PlaceResponse,
@@ -90,6 +91,13 @@ class PCConfig:
     service_alpha: float = 0.2
     scale_up_timeout_ms: int = 60_000
     retry_after_s: int = 1
+    assumed_link_mbit_per_s: float = 10_000.0
+    """Link rate assumed for a holder an instance has not reported a link to (0: none).
+
+    Instances report only links they measured, and they measure a link by fetching over it, so
+    without an assumption no directive would ever reach a fresh instance. The instance's own
+    measurement replaces the assumption as soon as it reports one."""
+    assumed_link_rtt_us: float = 200.0
 
 
 # --- injected I/O ------------------------------------------------------------------------------
@@ -449,6 +457,11 @@ class PlacementController:
             for r in self.registry.active_instances(self._clock.now_ms())
             if r.instance not in excluded
         ]
+        if self.config.assumed_link_mbit_per_s > 0:
+            holders = {
+                replica.holder for replicas_of_key in replicas for replica in replicas_of_key
+            }
+            candidates = [self._with_assumed_links(r, holders) for r in candidates]
         return choose_instance(
             candidates,
             replicas,
@@ -459,6 +472,23 @@ class PlacementController:
             max_cost_us=self.config.max_cost_us,
             queue_limit=self.config.queue_limit,
         )
+
+    def _with_assumed_links(
+        self, record: InstanceStatusRecord, holders: set[str]
+    ) -> InstanceStatusRecord:
+        known = {link.holder for link in record.links}
+        missing = sorted(holders - known - {record.instance})
+        if not missing:
+            return record
+        assumed = tuple(
+            Link(
+                holder=holder,
+                mbit_per_s=self.config.assumed_link_mbit_per_s,
+                rtt_us=self.config.assumed_link_rtt_us,
+            )
+            for holder in missing
+        )
+        return dataclasses.replace(record, links=record.links + assumed)
 
     def _timing(self, options: DirectiveOptions) -> tuple[int, int]:
         deadline = self.config.deadline_ms if options.deadline_ms is None else options.deadline_ms

@@ -457,6 +457,21 @@ def add_pc_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"lease_ms of prefetch directives (default {d.lease_ms})",
     )
     add(
+        "--assumed-link-mbit",
+        type=_nonnegative_float,
+        default=d.assumed_link_mbit_per_s,
+        metavar="MBIT",
+        help="link rate assumed to a holder an instance has not measured yet, so a fresh "
+        f"instance can be sent directives; 0 = never assume (default {d.assumed_link_mbit_per_s})",
+    )
+    add(
+        "--assumed-link-rtt-us",
+        type=_nonnegative_float,
+        default=d.assumed_link_rtt_us,
+        metavar="US",
+        help=f"RTT assumed with it (default {d.assumed_link_rtt_us})",
+    )
+    add(
         "--max-cost-us",
         type=_nonnegative_float,
         default=d.max_cost_us,
@@ -530,6 +545,8 @@ def pc_config(args: argparse.Namespace) -> PCConfig:
         queue_limit=args.queue_limit,
         service_prior_us=args.service_prior_us,
         scale_up_timeout_ms=args.scale_up_timeout_ms,
+        assumed_link_mbit_per_s=args.assumed_link_mbit,
+        assumed_link_rtt_us=args.assumed_link_rtt_us,
     )
 
 

@@ -250,7 +250,7 @@ def test_resident_blocks_need_no_directive() -> None:
 
 
 def test_directive_lists_fallback_sources_fastest_first_and_only_the_usable_prefix() -> None:
-    s = Setup()
+    s = Setup(PCConfig(sleep_threshold=1, sleep_after_ms=1_000, assumed_link_mbit_per_s=0))
     s.publish(6, holder=H1)
     s.publish(6, holder=H2)
     s.publish(10, holder="https://h3.example/kvsp/")  # no link from A: blocks 6.. unusable
@@ -643,3 +643,19 @@ def test_scale_up_hook_option_picks_the_form() -> None:
         scale_up_hook("'unclosed")
     with pytest.raises(BadRequest):
         scale_up_hook("   ")
+
+
+def test_a_fresh_instance_gets_a_directive_over_an_assumed_link() -> None:
+    # Instances report only links they measured, and measure one only by fetching over it; the
+    # PC assumes a rate for unmeasured holders so that a fresh cluster ever starts prefetching.
+    s = Setup(PCConfig(assumed_link_mbit_per_s=40_000, assumed_link_rtt_us=100))
+    s.publish(10, holder=H1)
+    s.report(status(A))  # no links at all
+    answer = s.place()
+    assert (answer.instance, answer.matched) == (A, 10)
+    assert s.peers.directed() == [A]
+    assert all(b.sources == (H1,) for b in s.peers.directives[0][1].blocks)
+    strict = Setup(PCConfig(assumed_link_mbit_per_s=0))
+    strict.publish(10, holder=H1)
+    strict.report(status(A))
+    assert strict.place().directive is None and strict.peers.directives == []

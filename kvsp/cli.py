@@ -299,6 +299,9 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
     p.add_argument("--expires-ms", type=int, metavar="MS", help="expiry, ms since the epoch")
     p.add_argument("--replace", action="store_true", help="replace a principal of that name")
     p.set_defaults(handler=_cmd_token)
+    from kvsp.engine.cli import configure_model_parser  # torch is imported by its handlers only
+
+    configure_model_parser(sub)
     _add_sim_command(sub, load_sim)
     _add_serve_commands(sub, load_services)
     return parser

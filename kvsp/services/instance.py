@@ -283,7 +283,8 @@ class InstanceAgent:
     async def _warm_up(self) -> None:
         """Run a short prompt so the first status record carries measured rates."""
         count = max(self.descriptor.block_tokens, self.config.warmup_tokens)
-        seq = await self.engine.prefill([(i * 7919) % 65_521 for i in range(count)], [])
+        # Ids below 256 exist in every vocabulary, the byte-level one of the seeded model too.
+        seq = await self.engine.prefill([(i * 7919) % 251 for i in range(count)], [])
         try:
             async for _ in seq.tokens(8):
                 pass

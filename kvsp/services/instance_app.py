@@ -44,6 +44,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvsp.compat import CompatibilityDescriptor
 from kvsp.errors import BadRequest, KVSPError, NotFound, RecordError
 from kvsp.fields import Fields
 from kvsp.ids import ScopeId
@@ -276,9 +277,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--control", required=True, metavar="URL", help="the PC (or kvsp serve control)")
     add("--index", metavar="URL", help="the IS, when apart from the PC (default: --control)")
     add("--token-file", required=True, type=Path, metavar="FILE", help="bearer token it uses")
-    add("--engine", choices=["toy"], default="toy", help="the engine (default toy)")
+    add("--engine", choices=["toy", "reference"], default="toy", help="the engine (default toy)")
     add("--descriptor", type=Path, metavar="D.json", help="Compatibility Descriptor to compute")
     add("--kv-capacity-blocks", type=_positive_int, default=1024, metavar="N")
+    add("--model", type=Path, metavar="DIR", help="checkpoint folder (--engine reference)")
+    add("--device", default="cpu", help="torch device of --engine reference (default cpu)")
+    add("--block-tokens", type=_positive_int, default=16, metavar="B", help="(reference)")
+    add("--kv-dtype", default="fp32", metavar="T", help="KV element type (reference; fp32)")
+    add("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute (reference)")
     add("--public-url", metavar="URL", help="base URL it is known by (default: its own)")
     add("--status-ttl-ms", type=_positive_int, default=d.status_ttl_ms, metavar="MS")
     add("--batch-size", type=_positive_int, default=d.batch_size, metavar="N")
@@ -347,15 +353,48 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
 
 
 def make_engine(args: argparse.Namespace) -> InferenceEngine:
-    """The engine ``--engine`` names, computing ``--descriptor`` (the toy default otherwise).
+    """The engine ``--engine`` names: the toy engine computing ``--descriptor`` (its default
+    otherwise), or the torch reference engine over the checkpoint in ``--model``.
 
     Raises:
         DescriptorError: an invalid descriptor file.
+        BadRequest: ``--engine reference`` without ``--model`` or without torch, or with a
+            ``--descriptor`` that is not the model's.
+        CheckpointError: the model folder cannot be loaded.
     """
+    descriptor = None if args.descriptor is None else read_descriptor_file(args.descriptor)
+    if args.engine == "reference":
+        return _reference_engine(args, descriptor)
     from kvsp.services.toy_engine import ToyEngine
 
-    descriptor = None if args.descriptor is None else read_descriptor_file(args.descriptor)
     return ToyEngine(descriptor, capacity_blocks=args.kv_capacity_blocks)
+
+
+def _reference_engine(
+    args: argparse.Namespace, descriptor: CompatibilityDescriptor | None
+) -> InferenceEngine:
+    if args.model is None:
+        raise BadRequest("--engine reference needs --model DIR (see: kvsp model init DIR)")
+    from kvsp.services.torch_engine import TorchEngine
+
+    try:
+        engine = TorchEngine(
+            args.model,
+            device=args.device,
+            num_pages=args.kv_capacity_blocks,
+            block_tokens=args.block_tokens,
+            kv_dtype=args.kv_dtype,
+            dtype=args.dtype,
+        )
+    except ModuleNotFoundError as exc:  # torch is an optional extra (kvsp[engine])
+        if exc.name not in {"torch", "safetensors"}:
+            raise
+        raise BadRequest(
+            f"--engine reference needs {exc.name}: pip install 'kvsp[engine]'"
+        ) from None
+    if descriptor is not None and descriptor != engine.descriptor:
+        raise BadRequest(f"--descriptor is not the descriptor of the model in {args.model}")
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,9 @@
 """Benchmark the bulk block path (spec §6.7; DESIGN.md §7): which HTTP client, and what full
 verification costs, side by side in one run against one holder-like server.
 
-Run: ``.venv/bin/python bench/bench_blocks.py [--reps N] [--blocks N] [--server S]``. The
+Run: ``.venv/bin/python bench/bench_blocks.py [--reps N] [--blocks N] [--server S]
+[--only REGEX] [--loop asyncio|uvloop]`` (``--only``: just the matching cases, with (a) and
+(b) always; ``--loop``: the client's event loop). The
 server is ``kvsp serve holder`` (uvicorn with uvloop + httptools, in its own process; or, with
 ``--server test``, the test holder ``tests/services/bulk_server_for_tests.py``) holding eight
 2 MiB KVB1 containers (16 tokens × 32 layers × 8 kv_heads × 128 head_dim × bf16), served with
@@ -12,7 +14,7 @@ server is ``kvsp serve holder`` (uvicorn with uvloop + httptools, in its own pro
 (c) httpx, (d) aiohttp, (e) :class:`~kvsp.services.bulk.BulkClient`, without verification,
 (f) :meth:`~kvsp.services.block_client.BlockClient.get_block` with full §6.7 verification
     (Repr-Digest + layer digests + replica digest), 1 and 4 in flight, for each placement of
-    the hashing passes.
+    the hashing passes (``slices``, the default, hashes slices of the received buffer).
 """
 
 from __future__ import annotations
@@ -220,6 +222,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=96, help="blocks per case and rep")
     parser.add_argument("--server", choices=["holder", "test"], default="holder")
+    parser.add_argument("--only", default="", help="regex: run only the cases it matches")
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     args = parser.parse_args()
     size = block_size()
     folder = Path(tempfile.mkdtemp(prefix="kvsp-bench-"))
@@ -237,7 +241,7 @@ def main() -> None:
             asyncio.run(store_blocks(base, token))
         tcp_port = int(tcp.stdout.readline())  # type: ignore[union-attr]
         label = "kvsp serve holder" if args.server == "holder" else "the test holder"
-        run(base, token, label, tcp_port, size, args.reps, args.blocks)
+        run(base, token, label, tcp_port, size, args.reps, args.blocks, args.only, args.loop)
     finally:
         tcp.kill()
         tcp.wait()
@@ -250,21 +254,34 @@ def srv_token() -> str:
     return str(srv.TOKEN)
 
 
-def run(  # noqa: C901 - one flat list of cases reads best
-    base: str, token: str, label: str, tcp_port: int, size: int, reps: int, blocks: int
+def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
+    base: str,
+    token: str,
+    label: str,
+    tcp_port: int,
+    size: int,
+    reps: int,
+    blocks: int,
+    only: str = "",
+    loop_kind: str = "asyncio",
 ) -> None:
     recs = records(base)
     urls = [block_url(base, key) for key in KEYS]
     paths = ["/" + url.split("/", 3)[3] for url in urls]
     floor_buf = bytearray(4 << 20)
-    loop_runner = asyncio.Runner()
+    factory = None
+    if loop_kind == "uvloop":
+        import uvloop  # noqa: PLC0415 - optional
+
+        factory = uvloop.new_event_loop
+    loop_runner = asyncio.Runner(loop_factory=factory)
     loop = loop_runner.get_loop()
     auth = {"authorization": f"Bearer {token}"}
     raw = RawHTTP(base, token)
     hx = httpx.AsyncClient(headers=auth, timeout=30)
     aio: list[aiohttp.ClientSession] = []
     bulk = BulkClient()
-    verifiers = {h: BlockClient(token, hashing=h) for h in ("inline", "thread", "split")}
+    verifiers = {h: BlockClient(token, hashing=h) for h in ("inline", "thread", "split", "slices")}
 
     async def start_aiohttp() -> None:
         aio.append(aiohttp.ClientSession(headers=auth))
@@ -304,11 +321,13 @@ def run(  # noqa: C901 - one flat list of cases reads best
         ("(e) BulkClient", aio_case(get_bulk, 1)),
         ("(e) BulkClient, 4 in flight", aio_case(get_bulk, 4)),
     ]
-    for hashing in ("inline", "thread", "split"):
+    for hashing in ("inline", "thread", "split", "slices"):
         for inflight in (1, 4):
             name = f"(f) verified, hashing={hashing}, {inflight} in flight"
             cases.append((name, aio_case(get_verified(hashing), inflight)))  # type: ignore[arg-type]
 
+    keep = re.compile(only)
+    cases = [c for i, c in enumerate(cases) if i < 2 or keep.search(c[0])]  # (a), (b) always
     for _, fn in cases:
         fn()  # warm up: connections open, caches filled
     rates: list[list[float]] = [[] for _ in cases]
@@ -320,7 +339,7 @@ def run(  # noqa: C901 - one flat list of cases reads best
 
     medians = {name: statistics.median(r) for (name, _), r in zip(cases, rates, strict=True)}
     print(f"block: {size} octets (2 MiB KVB1), {blocks} blocks per case, median of {reps} reps")
-    print(f"server: {label} (uvicorn + uvloop + httptools), client loop: asyncio")
+    print(f"server: {label} (uvicorn + uvloop + httptools), client loop: {loop_kind}")
     for (name, _), r in zip(cases, rates, strict=True):
         print(f"  {name:<44} {medians[name]:8.0f} MB/s   (min {min(r):.0f}, max {max(r):.0f})")
     floor_a = medians[cases[0][0]]

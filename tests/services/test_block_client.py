@@ -10,6 +10,7 @@ import importlib.util
 import socket
 import sys
 from collections.abc import Awaitable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -31,8 +32,10 @@ from kvsp.records import LeaseRequest, ReplicaRecord
 from kvsp.services.block_client import (
     BlockClient,
     FetchStats,
+    SliceBody,
     UnsupportedHolder,
     VerifiedBlock,
+    _plan,
     block_base,
     lease_base,
 )
@@ -109,7 +112,7 @@ def same_layers(block: Container, first: int, last: int) -> bool:
     ]
 
 
-HASHING = ["inline", "thread", "split"]
+HASHING = ["inline", "thread", "split", "slices"]
 
 
 @pytest.mark.parametrize("hashing", HASHING)
@@ -360,3 +363,140 @@ def test_malformed_container_is_a_container_error(server: RunningService) -> Non
 
     with pytest.raises(ContainerError):
         run(main())
+
+
+# -- SliceBody: the contiguous body hashed in slices -------------------------------------------
+
+
+def test_slices_is_the_default_and_the_other_checks_hold(server: RunningService) -> None:
+    assert BlockClient(srv.TOKEN).hashing == "slices"
+    holder = f"{server.base_url}good/"
+    assert same_layers(get(holder, record(holder, layer_digests=None), hashing="slices"), 0, 7)
+    with pytest.raises(DigestMismatch, match="replica digest"):
+        get(holder, record(holder, layer_digests=None, digest=bytes(32)), hashing="slices")
+    with pytest.raises(DigestMismatch, match="layer"):
+        get(f"{server.base_url}flip/", layers=(4, 7), hashing="slices")
+
+
+def test_slices_on_uvloop(server: RunningService) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    holder = f"{server.base_url}good/"
+
+    async def main() -> list[VerifiedBlock]:
+        async with BlockClient(srv.TOKEN, hashing="slices", slice_step=4096) as client:
+            return list(
+                await asyncio.gather(
+                    *(client.get_block(holder, record(holder), geometry=GEOMETRY) for _ in range(4))
+                )
+            )
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        blocks = runner.run(main())
+    assert all(same_layers(block, 0, 7) for block in blocks)
+
+
+def feed_slices(
+    body: bytes,
+    *,
+    expected: bytes | None = None,
+    layers: tuple[int, int] | None = None,
+    length: int | None = None,
+    piece: int = 1000,
+    rec: ReplicaRecord | None = None,
+    workers: int | None = 2,
+) -> tuple[Container, bool]:
+    """Feed ``body`` through a SliceBody in ``piece``-octet writes, as the bulk path does."""
+    rec = rec or record("http://h.example/")
+
+    async def main() -> tuple[Container, bool]:
+        pool = ThreadPoolExecutor(workers) if workers else None
+        try:
+            plan = _plan(rec, layers, GEOMETRY, None)
+            digest = hashlib.sha256(body).digest() if expected is None else expected
+            size = len(body) if length is None else length
+            consumer = SliceBody(plan, digest, size, executor=pool, step=3000)
+            fed = 0
+            try:
+                while fed < min(len(body), size):
+                    dst = consumer.buffer(piece)
+                    n = len(dst)
+                    dst[:] = body[fed : fed + n]
+                    fed += n
+                    consumer.written(n)
+                    await asyncio.sleep(0)
+                consumer.finish()
+            except BaseException as exc:
+                consumer.fail(exc)
+                raise
+            return await consumer.result()
+        finally:
+            if pool is not None:
+                pool.shutdown()
+
+    return run(main())
+
+
+@pytest.mark.parametrize("workers", [None, 1, 2])
+@pytest.mark.parametrize("piece", [1, 7, 1000, 1 << 20])
+def test_slice_body_hands_out_views_of_verified_layers(workers: int | None, piece: int) -> None:
+    body = srv.block_container(KEY)  # piece 1: every boundary is crossed mid-write
+    container, producer = feed_slices(body, piece=piece, workers=workers)
+    assert producer and same_layers(container, 0, 7)
+
+
+def test_slice_body_refuses_what_verification_refuses() -> None:
+    body = srv.block_container(KEY)
+    with pytest.raises(DigestMismatch, match="Repr-Digest"):
+        feed_slices(body, expected=bytes(32))
+    flipped = bytearray(body)
+    flipped[-1] ^= 1  # the last layer's V section; Repr-Digest is of the flipped octets
+    with pytest.raises(DigestMismatch, match="layer 7"):
+        feed_slices(bytes(flipped))
+    with pytest.raises(ContainerError, match="container of"):
+        feed_slices(body + b"x")  # Content-Length one beyond the container
+    with pytest.raises(ContainerError, match="container of"):
+        feed_slices(body[:-1])
+    with pytest.raises(ContainerError, match="not a KVB1"):
+        feed_slices(body[:5])
+    with pytest.raises(ContainerError):
+        feed_slices(b"NOPE" + body[4:])
+    with pytest.raises(Incompatible, match="asked for layers 3-7"):
+        feed_slices(body, layers=(3, 7))  # the whole container where a range was asked
+    with pytest.raises(DigestMismatch, match="replica digest"):
+        feed_slices(body, rec=record("http://h.example/", layer_digests=None, digest=bytes(32)))
+
+
+def test_parts_response_sends_each_part_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvsp.services import holder_app  # noqa: PLC0415 - the server side
+    from kvsp.services.holder_app import PartsResponse  # noqa: PLC0415
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        raise AssertionError("a GET answer reads nothing")
+
+    headers = {"content-length": "5", "repr-digest": "sha-256=:x:"}
+    part = memoryview(b"abc")
+    response = PartsResponse([part, b"de"], headers=headers, media_type="application/kvsp-block")
+    run(response({"type": "http"}, receive, send))
+    start, first, second = sent
+    assert start["status"] == 200
+    assert dict(start["headers"]) == {
+        b"content-length": b"5",
+        b"repr-digest": b"sha-256=:x:",
+        b"content-type": b"application/kvsp-block",
+    }
+    assert first == {"type": "http.response.body", "body": part, "more_body": True}
+    assert first["body"] is part  # the stored memory itself, not a copy
+    assert second == {"type": "http.response.body", "body": b"de", "more_body": False}
+    sent.clear()
+    run(PartsResponse([], headers={"content-length": "0"}, media_type="x/y")({}, receive, send))
+    assert sent[1] == {"type": "http.response.body", "body": b""}
+    sent.clear()
+    monkeypatch.setattr(holder_app, "SEND_SLICE", 2)  # a part beyond it goes in slices
+    run(PartsResponse([b"abcde"], headers={}, media_type="x/y")({}, receive, send))
+    assert [bytes(m["body"]) for m in sent[1:]] == [b"ab", b"cd", b"e"]
+    assert [m["more_body"] for m in sent[1:]] == [True, True, False]

@@ -92,7 +92,8 @@ class PCConfig:
     scale_up_timeout_ms: int = 60_000
     retry_after_s: int = 1
     assumed_link_mbit_per_s: float = 10_000.0
-    """Link rate assumed for a holder an instance has not reported a link to (0: none).
+    """Link rate assumed for a holder of the prompt's first block to which an instance has not
+    reported a link (0: none).
 
     Instances report only links they measured, and they measure a link by fetching over it, so
     without an assumption no directive would ever reach a fresh instance. The instance's own
@@ -457,10 +458,10 @@ class PlacementController:
             for r in self.registry.active_instances(self._clock.now_ms())
             if r.instance not in excluded
         ]
-        if self.config.assumed_link_mbit_per_s > 0:
-            holders = {
-                replica.holder for replicas_of_key in replicas for replica in replicas_of_key
-            }
+        if self.config.assumed_link_mbit_per_s > 0 and replicas:
+            # Only the holders of the first block: a usable prefix starts there, and assuming
+            # links to every holder would multiply the work of choose_instance per instance.
+            holders = {replica.holder for replica in replicas[0]}
             candidates = [self._with_assumed_links(r, holders) for r in candidates]
         return choose_instance(
             candidates,

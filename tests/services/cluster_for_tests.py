@@ -448,7 +448,7 @@ class Cluster:
         instances' status records, and the PC's state, load and service times in ``rows``."""
         found = self.lookup(keys_of(prompt))
         replicas = [[ReplicaRecord.from_json(r) for r in rs] for rs in found["replicas"]]
-        holders = {r.holder for rs in replicas for r in rs}
+        holders = {r.holder for r in replicas[0]} if replicas else set()
         candidates = []
         for name in self.instance_names:
             row = rows.get(self.url(name))

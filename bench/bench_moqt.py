@@ -4,12 +4,14 @@ Run: ``.venv/bin/python bench/bench_moqt.py [--seconds S] [--backends aioquic,qh
 [--paths-only | --no-paths]``.
 
 For every backend × max_datagram_size the server runs in its own process (so each side has a
-core) with both a MOQT server and a raw QUIC server; the client fetches whole blocks one after
-another over MOQT (standalone FETCH {0,0}..{0,32}: FETCH_OK plus one fetch stream) and then
-reads the same bytes over raw QUIC (one bidi stream per block, the server writing 2 MiB). Both
-use the same QUIC settings: the given datagram size, 64 MiB / 32 MiB flow-control windows and
-4 MiB socket buffers. Goodput counts payload bytes only. The table gives MOQT/raw and each MOQT
-figure against aioquic at its default 1200-byte datagrams.
+core) with both a MOQT server and a raw QUIC server; the client holds one connection to each and
+fetches whole blocks, alternating: one over MOQT (standalone FETCH {0,0}..{0,32}: FETCH_OK plus
+one fetch stream, payload counted by a payload sink as it arrives), one over raw QUIC (one bidi
+stream per block, the server writing 2 MiB, bytes counted in the protocol's event handler), so
+both see the same load on a shared machine. Both use the same QUIC settings: the given datagram
+size, 64 MiB / 32 MiB flow-control windows and 4 MiB socket buffers. Goodput counts payload bytes
+only. The table gives MOQT/raw, each MOQT figure against aioquic at its default 1200-byte
+datagrams, and the CPU each side spent per block (client and server process, MOQT | raw).
 
 A second table puts the same 2 MiB block on every path side by side: a plain TCP stream
 (blocking sockets, the transport ceiling); HTTP GET from ``kvsp serve holder`` with
@@ -29,11 +31,12 @@ import contextlib
 import hashlib
 import importlib
 import multiprocessing
+import os
 import socket
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,7 @@ from moqt.messages import StandaloneFetch  # noqa: E402
 from moqt.namespace import kv_namespace  # noqa: E402
 from moqt.objects import layer_digest_extension  # noqa: E402
 from moqt.session_events import FetchReceived, ObjectData  # noqa: E402
+from moqt.transport import open_datagram_endpoint  # noqa: E402
 from moqt.wire import Location  # noqa: E402
 
 NS = (b"kvsp", b"1", b"c0", b"s0", b"k0")
@@ -145,9 +149,10 @@ async def serve_raw(backend: str, configuration: Any) -> tuple[Any, int]:
     tune_socket(sock, 4 << 20)
     sock.bind(("127.0.0.1", 0))
     cls = raw_protocol(backend, server=True)
-    transport, server = await asyncio.get_running_loop().create_datagram_endpoint(
+    transport, server = await open_datagram_endpoint(  # the MOQT server's endpoint: a fair race
+        get_backend(backend),
         lambda: server_module.QuicServer(configuration=configuration, create_protocol=cls),
-        sock=sock,
+        sock,
     )
     return server, int(transport.get_extra_info("sockname")[1])
 
@@ -242,22 +247,143 @@ async def timed(block: Any, seconds: float) -> float:
 def measure(
     backend: str, datagram: int, cert: str, key: str, seconds: float
 ) -> tuple[float, float]:
+    """MOQT and raw QUIC goodput (MB/s), measured side by side (:func:`measure_paired`)."""
+    paired = measure_paired(backend, datagram, cert, key, seconds)
+    return paired.moqt.goodput(), paired.raw.goodput()
+
+
+@dataclass
+class Tally:
+    """Blocks fetched one way: wall seconds and CPU seconds of each process."""
+
+    blocks: int = 0
+    wall: float = 0.0
+    client_cpu: float = 0.0
+    server_cpu: float = 0.0
+
+    def goodput(self) -> float:
+        """MB/s."""
+        return self.blocks * len(BLOCK) / self.wall / 1e6 if self.wall else 0.0
+
+    def cpu_ms(self) -> tuple[float, float]:
+        """CPU milliseconds per block: (client, server)."""
+        n = max(self.blocks, 1)
+        return 1000 * self.client_cpu / n, 1000 * self.server_cpu / n
+
+
+@dataclass
+class Paired:
+    """One backend and datagram size, MOQT beside raw QUIC."""
+
+    moqt: Tally
+    raw: Tally
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds a process has used (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_paired(backend: str, datagram: int, cert: str, key: str, seconds: float) -> Paired:
+    """Alternate MOQT and raw blocks against one server process for about ``seconds`` each."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(target=server_main, args=(backend, datagram, cert, key, child))
     process.start()
     try:
         moqt_port, raw_port = parent.recv()
-        moqt = asyncio.run(
-            asyncio.wait_for(run_moqt(backend, datagram, moqt_port, cert, seconds), 60)
-        )
-        raw = asyncio.run(asyncio.wait_for(run_raw(backend, datagram, raw_port, cert, seconds), 60))
+        ports = (moqt_port, raw_port)
+        run = run_paired(backend, datagram, ports, cert, seconds, process.pid or 0)
+        return asyncio.run(asyncio.wait_for(run, 120))
     finally:
         parent.send("stop")
         process.join(10)
         if process.is_alive():
             process.kill()
-    return moqt, raw
+
+
+async def run_paired(
+    backend: str,
+    datagram: int,
+    ports: tuple[int, int],
+    cert: str,
+    seconds: float,
+    server_pid: int,
+) -> Paired:
+    quic = get_backend(backend)
+    transport = transport_for(datagram)
+
+    def configuration() -> Any:
+        return quic.configuration(
+            is_client=True, transport=transport, cafile=cert, server_name="localhost"
+        )
+
+    client_module: Any = importlib.import_module(f"{backend}.asyncio.client")
+    raw_connect = client_module.connect(
+        "127.0.0.1",
+        ports[1],
+        configuration=configuration(),
+        create_protocol=raw_protocol(backend, server=False),
+    )
+    moqt_connect = connect(
+        "127.0.0.1", ports[0], configuration=configuration(), backend=backend, transport=transport
+    )
+    async with moqt_connect as connection, raw_connect as protocol:
+        await check_moqt_block(connection)
+
+        async def moqt_block() -> int:
+            counted = [0]
+
+            def sink(header: Any, data: memoryview, offset: int) -> None:
+                counted[0] += len(data)
+
+            response = await connection.fetch(
+                NS, TRACK, Location(0, 0), Location(0, 32), payload_sink=sink
+            )
+            async for _ in response.track.events():
+                pass  # object boundaries and the stream's end
+            return counted[0]
+
+        async def raw_block() -> int:
+            return int(await protocol.fetch(len(BLOCK)))
+
+        return await alternate(moqt_block, raw_block, seconds, server_pid)
+
+
+async def check_moqt_block(connection: MOQTConnection) -> None:
+    """One block through ``objects()``, compared byte for byte."""
+    response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 32))
+    payload = b"".join([bytes(o.payload) async for o in response.track.objects()])
+    if payload != BLOCK:
+        raise AssertionError("MOQT block differs")
+
+
+async def alternate(moqt_block: Any, raw_block: Any, seconds: float, server_pid: int) -> Paired:
+    """Blocks one way then the other (order flipped each round) until each had ``seconds``."""
+    paired = Paired(Tally(), Tally())
+    await moqt_block(), await raw_block()  # warm-up
+    rounds = 0
+    while rounds < 4 or (min(paired.moqt.wall, paired.raw.wall) < seconds and rounds < 200):
+        ways = [(paired.moqt, moqt_block), (paired.raw, raw_block)]
+        for tally, block in ways if rounds % 2 == 0 else ways[::-1]:
+            server, client, start = (
+                process_cpu(server_pid),
+                time.process_time(),
+                time.perf_counter(),
+            )
+            received = await block()
+            tally.wall += time.perf_counter() - start
+            tally.client_cpu += time.process_time() - client
+            tally.server_cpu += process_cpu(server_pid) - server
+            if received != len(BLOCK):
+                raise AssertionError(f"got {received} bytes, expected {len(BLOCK)}")
+            tally.blocks += 1
+        rounds += 1
+    return paired
 
 
 def main() -> None:
@@ -282,26 +408,28 @@ def moqt_table(backends: list[str], sizes: list[int], cert: str, key: str, secon
     versions = ", ".join(f"{name} {get_backend(name).version}" for name in backends)
     print(f"# MOQT d16 FETCH of 2 MiB blocks (32 x 64 KiB) vs raw QUIC, loopback; {versions}")
     print("# windows 64 MiB / 32 MiB, SO_RCVBUF/SO_SNDBUF 4 MiB, blocks one after another")
-    rows: list[tuple[str, int, float, float]] = []
+    rows: list[tuple[str, int, float, float, Paired]] = []
     for backend in backends:
         for size in sizes:
             datagram = size or LARGEST[backend]
             try:
-                moqt, raw = measure(backend, datagram, cert, key, seconds)
+                paired = measure_paired(backend, datagram, cert, key, seconds)
             except Exception as exc:  # noqa: BLE001 - a size the backend refuses is a result
                 print(f"{backend} {datagram}: failed: {type(exc).__name__}: {exc}")
                 continue
-            rows.append((backend, datagram, moqt, raw))
+            rows.append((backend, datagram, paired.moqt.goodput(), paired.raw.goodput(), paired))
     baseline = next((r[2] for r in rows if r[0] == "aioquic" and r[1] == 1200), None)
     header = f"{'backend':8} {'datagram':>8} {'MOQT MB/s':>10} {'raw MB/s':>9} "
     header += f"{'MOQT/raw':>9} {'ms/block':>9} {'vs aioquic-1200':>16}"
+    header += f" {'client cpu ms':>15} {'server cpu ms':>15}"
     print(header)
-    for backend, datagram, moqt, raw in rows:
+    for backend, datagram, moqt, raw, paired in rows:
         versus = f"{moqt / baseline:15.2f}x" if baseline else f"{'-':>16}"
         ms = len(BLOCK) / 1e6 / moqt * 1000
+        (mc, ms_), (rc, rs) = paired.moqt.cpu_ms(), paired.raw.cpu_ms()
         print(
             f"{backend:8} {datagram:>8} {moqt:>10.1f} {raw:>9.1f} {moqt / raw:>9.2f} "
-            f"{ms:>9.1f} {versus}"
+            f"{ms:>9.1f} {versus} {mc:>7.1f} | {rc:<5.1f} {ms_:>7.1f} | {rs:<5.1f}"
         )
     if rows and baseline:
         best = max(rows, key=lambda r: r[2])

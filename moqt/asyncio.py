@@ -1,14 +1,16 @@
 """Thin asyncio shell over :class:`~moqt.session.MOQTSession`: ``connect()`` and ``serve()``.
 
-The QUIC library's own ``QuicConnectionProtocol`` (aioquic or qh3, see :mod:`moqt.backend`)
-drives the connection; ours feeds each QUIC event to the session and hands the MOQT events to
-futures (replies to our requests), :class:`TrackReader` queues (objects of one request) and the
-connection's request queue (what the peer asks of us). Every QUIC socket gets
-SO_RCVBUF/SO_SNDBUF of ``TransportConfig.socket_buffer``.
+The QUIC library's own ``QuicConnectionProtocol`` (aioquic or qh3, see :mod:`moqt.backend` and
+:mod:`moqt.transport`) drives the connection; ours feeds each QUIC event to the session. The
+data events of a request go straight from the session to its :class:`TrackReader` (the
+session's track sink); replies resolve futures; what the peer asks of us goes to the
+connection's request queue.
 
 Sending respects the transport: ``open_subgroup`` waits for stream credit (qh3 raises at the
 peer's stream limit, and the failed send has already used the ID, so it is never retried), and
-payloads are written in pieces while the stream's send buffer is below a high-water mark.
+payloads are handed to QUIC while the stream's send buffer is below a high-water mark. Data
+writes ask for one transmit at the end of the loop iteration, so the objects a publisher writes
+in a row leave in full packets rather than one short packet per object.
 """
 
 from __future__ import annotations
@@ -18,26 +20,32 @@ import contextlib
 import importlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
-from .backend import Backend, TransportConfig, get_backend
-from .errors import ObjectStatus, SessionError
+from .backend import TransportConfig, get_backend
+from .errors import SessionError
 from .messages import (
-    STREAM_COUNT_UNKNOWN,
     AuthToken,
     FetchOk,
     MessageParameters,
+    PublishOk,
     RequestOk,
     SubscribeOk,
+    SubscribeOptions,
     TokenAliasType,
 )
 from .session import MOQTSession, SessionConfig
 from .session_events import (
+    DatagramReceived,
     DataStreamFinished,
     DataStreamReset,
+    EndOfRangeReceived,
     FetchOkReceived,
+    FetchStreamOpened,
+    MalformedTrackDetected,
     MaxRequestIdReceived,
     MOQTEvent,
     NamespaceDoneReceived,
@@ -46,138 +54,79 @@ from .session_events import (
     ObjectEnd,
     ObjectHeader,
     PublishDoneReceived,
+    PublishOkReceived,
     RequestErrorReceived,
     RequestOkReceived,
     SessionClosed,
     SetupComplete,
     SubgroupStreamOpened,
+    SubscribeNamespaceEnded,
     SubscribeOkReceived,
 )
 from .session_state import RequestsBlockedError
-from .wire import Bytes, KeyValuePair, Location, TrackNamespace
+from .transport import (
+    SEND_HIGH_WATER,
+    WRITE_CHUNK,
+    MalformedTrackError,
+    ObjectSender,
+    Payload,
+    PayloadSink,
+    ProtocolSetup,
+    ReceivedObject,
+    RequestRejected,
+    SessionClosedError,
+    TrackReader,
+    open_datagram_endpoint,
+    protocol_class,
+    quic_server_class,
+    transport_socket,
+    tune_socket,
+)
+from .wire import KeyValuePair, Location, TrackNamespace
+
+__all__ = [
+    "SEND_HIGH_WATER",
+    "WRITE_CHUNK",
+    "FetchResponse",
+    "MalformedTrackError",
+    "MOQTConnection",
+    "MOQTServer",
+    "Payload",
+    "PayloadSink",
+    "Publication",
+    "ReceivedObject",
+    "RequestRejected",
+    "SessionClosedError",
+    "Subscription",
+    "TrackReader",
+    "connect",
+    "serve",
+    "tune_socket",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-WRITE_CHUNK = 256 << 10  # payload handed to QUIC per call
-SEND_HIGH_WATER = 2 << 20  # wait while a stream holds more than this
+ENDED_READERS_KEPT = 1024  # ended readers still answering ``track()`` and swallowing stragglers
 _REPLIES = (
     SubscribeOkReceived,
     FetchOkReceived,
     RequestOkReceived,
     RequestErrorReceived,
+    PublishOkReceived,
 )
 _TRACK_EVENTS = (
     SubgroupStreamOpened,
+    FetchStreamOpened,
     ObjectHeader,
     ObjectData,
     ObjectEnd,
+    EndOfRangeReceived,
     DataStreamFinished,
+    DataStreamReset,
     PublishDoneReceived,
+    DatagramReceived,
+    MalformedTrackDetected,
 )
-
-
-def _track_request(event: MOQTEvent) -> int | None:
-    """The request whose object stream ``event`` belongs to, if it is a data event."""
-    if isinstance(event, (*_TRACK_EVENTS, DataStreamReset)):
-        return event.request_id
-    return None
-
-
-class SessionClosedError(ConnectionError):
-    """The MOQT session ended; ``closed`` says how."""
-
-    def __init__(self, closed: SessionClosed) -> None:
-        self.closed = closed
-        super().__init__(f"MOQT session closed: {closed.error_code:#x} {closed.reason}")
-
-
-class RequestRejected(Exception):
-    """The peer answered our request with REQUEST_ERROR."""
-
-    def __init__(self, event: RequestErrorReceived) -> None:
-        self.error_code = int(event.message.error_code)
-        self.reason = event.message.reason
-        self.retry_interval = event.message.retry_interval
-        super().__init__(f"request {event.request_id} refused: {self.error_code:#x} {self.reason}")
-
-
-@dataclass(frozen=True, slots=True)
-class ReceivedObject:
-    """A whole object, its payload joined from the pieces that arrived."""
-
-    group_id: int
-    object_id: int
-    extensions: tuple[KeyValuePair, ...]
-    status: ObjectStatus
-    payload: bytearray
-
-
-class TrackReader:
-    """The objects of one subscription, fetch or PUBLISH, in arrival order.
-
-    A fetch ends with its stream; a subscription once PUBLISH_DONE arrived and as many streams
-    as it counted have ended (at once when the count is unknown).
-    """
-
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
-        self._queue: asyncio.Queue[MOQTEvent | Exception | None] = asyncio.Queue()
-        self._streams_expected: int | None = None
-        self._streams_ended = 0
-        self.ended = False
-
-    def _feed(self, event: MOQTEvent) -> None:
-        self._queue.put_nowait(event)
-        if isinstance(event, DataStreamFinished | DataStreamReset):
-            self._streams_ended += 1
-        elif isinstance(event, PublishDoneReceived):
-            count = event.message.stream_count
-            self._streams_expected = 0 if count == STREAM_COUNT_UNKNOWN else count
-        expected = self._streams_expected
-        if expected is not None and self._streams_ended >= expected:
-            self._end()
-
-    def _fetch_done(self) -> None:
-        self._streams_expected = 1
-        if self._streams_ended >= 1:
-            self._end()
-
-    def _end(self, error: Exception | None = None) -> None:
-        if not self.ended:
-            self.ended = True
-            self._queue.put_nowait(error)
-
-    async def events(self) -> AsyncIterator[MOQTEvent]:
-        """The raw data events: stream opened, object header, payload pieces, ends.
-
-        Raises:
-            SessionClosedError: the session ended before the track did.
-        """
-        while (event := await self._queue.get()) is not None:
-            if isinstance(event, Exception):
-                raise event
-            yield event
-
-    async def objects(self) -> AsyncIterator[ReceivedObject]:
-        """Whole objects (pieces joined); ends with the track, raising on a stream reset.
-
-        Raises:
-            ConnectionResetError: a data stream of the track was reset by the peer.
-        """
-        parts: dict[int, tuple[ObjectHeader, bytearray]] = {}
-        async for event in self.events():
-            if isinstance(event, ObjectHeader):
-                parts[event.stream_id] = (event, bytearray())
-            elif isinstance(event, ObjectData):
-                parts[event.stream_id][1].extend(event.data)
-            elif isinstance(event, ObjectEnd):
-                header, payload = parts.pop(event.stream_id)
-                obj = header.object
-                yield ReceivedObject(
-                    obj.group_id, obj.object_id, obj.extensions, obj.status, payload
-                )
-            elif isinstance(event, DataStreamReset):
-                raise ConnectionResetError(f"stream {event.stream_id} reset: {event.error_code}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,41 +147,69 @@ class FetchResponse:
     track: TrackReader
 
 
-class MOQTConnection:
+@dataclass(frozen=True, slots=True)
+class Publication:
+    """An accepted PUBLISH: the subscriber's PUBLISH_OK; send objects with
+    :meth:`MOQTConnection.open_subgroup` on ``request_id``."""
+
+    request_id: int
+    track_alias: int
+    ok: PublishOk
+
+
+class MOQTConnection(ObjectSender):
     """One live MOQT session (either side): requests, replies, objects, flow-aware sending."""
 
     def __init__(self, protocol: Any, session: MOQTSession) -> None:
         self._protocol = protocol
         self.session = session
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._setup: asyncio.Future[SetupComplete] = loop.create_future()
         self._closed: asyncio.Future[SessionClosed] = loop.create_future()
         self._replies: dict[int, asyncio.Future[MOQTEvent]] = {}
         self._tracks: dict[int, TrackReader] = {}
+        self._ended: OrderedDict[int, TrackReader] = OrderedDict()
         self._namespaces: dict[int, asyncio.Queue[MOQTEvent | None]] = {}
         self._requests: asyncio.Queue[MOQTEvent | None] = asyncio.Queue()
         self._tick: asyncio.Future[None] | None = None
+        self._transmit_pending = False
+        self._unyielded = [0, 0]  # payload bytes and writes since the writer last yielded
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            SetupComplete: self._on_setup,
+            SessionClosed: self._on_closed,
+            NamespaceReceived: self._on_namespace_event,
+            NamespaceDoneReceived: self._on_namespace_event,
+            SubscribeNamespaceEnded: self._on_namespace_ended,
+            MaxRequestIdReceived: lambda _event: None,
+        }
+        for reply in _REPLIES:
+            self._handlers[reply] = self._on_reply_event
+        for data_event in _TRACK_EVENTS:
+            self._handlers[data_event] = self._on_track_event
 
     # --- plumbing --------------------------------------------------------------------------
 
     def _dispatch(self, events: list[MOQTEvent]) -> None:
+        handlers = self._handlers
         for event in events:
-            if isinstance(event, SetupComplete):
-                self._setup.set_result(event)
-            elif isinstance(event, SessionClosed):
-                self._on_closed(event)
-            elif isinstance(event, _REPLIES) and event.request_id in self._replies:
-                self._on_reply(event)
-            elif (request_id := _track_request(event)) is not None:
-                self.track(request_id)._feed(event)
-            elif isinstance(event, NamespaceReceived | NamespaceDoneReceived):
-                self._namespaces.setdefault(event.request_id, asyncio.Queue()).put_nowait(event)
-            elif not isinstance(event, MaxRequestIdReceived):
+            handler = handlers.get(type(event))
+            if handler is None:
                 self._requests.put_nowait(event)
+            else:
+                handler(event)
 
-    def _on_reply(self, event: MOQTEvent) -> None:
-        request_id = cast(int, getattr(event, "request_id"))  # noqa: B009 - every reply has one
-        self._replies.pop(request_id).set_result(event)
+    def _on_setup(self, event: SetupComplete) -> None:
+        if not self._setup.done():
+            self._setup.set_result(event)
+
+    def _on_reply_event(self, event: Any) -> None:
+        request_id: int = event.request_id
+        future = self._replies.pop(request_id, None)
+        if future is None:  # a reply to a request sent with the session-level API
+            self._requests.put_nowait(event)
+            return
+        if not future.done():
+            future.set_result(event)
         reader = self._tracks.get(request_id)
         if reader is None:
             return
@@ -241,21 +218,49 @@ class MOQTConnection:
         elif isinstance(event, FetchOkReceived):
             reader._fetch_done()
 
+    def _on_track_event(self, event: Any) -> None:
+        request_id: int | None = event.request_id
+        if request_id is None:  # a reset stream that never named its request
+            self._requests.put_nowait(event)
+            return
+        self.track(request_id).on_event(event)
+
+    def _on_namespace_event(self, event: NamespaceReceived | NamespaceDoneReceived) -> None:
+        self._namespaces.setdefault(event.request_id, asyncio.Queue()).put_nowait(event)
+
+    def _on_namespace_ended(self, event: SubscribeNamespaceEnded) -> None:
+        queue = self._namespaces.get(event.request_id)
+        if queue is None:  # the peer's SUBSCRIBE_NAMESPACE
+            self._requests.put_nowait(event)
+        else:
+            queue.put_nowait(event)
+            queue.put_nowait(None)
+
     def _on_closed(self, event: SessionClosed) -> None:
         if not self._closed.done():
             self._closed.set_result(event)
         if not self._setup.done():
             self._setup.set_exception(SessionClosedError(event))
+            self._setup.exception()  # retrieved: a failed connect raises it from wait_setup
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(SessionClosedError(event))
         self._replies.clear()
-        for reader in self._tracks.values():
+        for reader in list(self._tracks.values()):
             reader._end(SessionClosedError(event))
         for queue in self._namespaces.values():
             queue.put_nowait(None)
         self._requests.put_nowait(None)
         self._wake()
+
+    def _reader_ended(self, reader: TrackReader) -> None:
+        request_id = reader.request_id
+        if self._tracks.pop(request_id, None) is None:
+            return
+        self._ended[request_id] = reader  # swallows what the peer still had in flight
+        if len(self._ended) > ENDED_READERS_KEPT:
+            old, _ = self._ended.popitem(last=False)
+            self.session.set_track_sink(old, None)
 
     def _wake(self) -> None:
         tick, self._tick = self._tick, None
@@ -268,18 +273,21 @@ class MOQTConnection:
         if closed is not None:
             raise SessionClosedError(closed)
         if self._tick is None:
-            self._tick = asyncio.get_running_loop().create_future()
+            self._tick = self._loop.create_future()
         await self._tick
 
     def transmit(self) -> None:
         """Send what the session queued."""
+        self._transmit_pending = False
         self._protocol.transmit()
 
     def track(self, request_id: int) -> TrackReader:
         """The reader for the objects of ``request_id`` (created on first use)."""
-        reader = self._tracks.get(request_id)
+        reader = self._tracks.get(request_id) or self._ended.get(request_id)
         if reader is None:
-            reader = self._tracks[request_id] = TrackReader(request_id)
+            reader = TrackReader(request_id, on_end=self._reader_ended)
+            self._tracks[request_id] = reader
+            self.session.set_track_sink(request_id, reader)
         return reader
 
     async def wait_setup(self) -> SetupComplete:
@@ -309,31 +317,52 @@ class MOQTConnection:
             except RequestsBlockedError:
                 self.transmit()
                 await self._progress()
-        future = self._replies[request_id] = asyncio.get_running_loop().create_future()
+        future = self._replies[request_id] = self._loop.create_future()
         self.transmit()
-        reply = await future
+        try:
+            reply = await future
+        finally:
+            self._replies.pop(request_id, None)
         if isinstance(reply, RequestErrorReceived):
             raise RequestRejected(reply)
         return request_id, reply
 
+    async def _reader_request(
+        self, send: Callable[[], int], sink: PayloadSink | None
+    ) -> tuple[int, MOQTEvent, TrackReader]:
+        """A request whose objects arrive on a reader made (with its sink) before it is sent."""
+        readers: list[TrackReader] = []
+
+        def send_and_read() -> int:
+            request_id = send()
+            reader = self.track(request_id)
+            if sink is not None:
+                reader.set_payload_sink(sink)
+            readers.append(reader)
+            return request_id
+
+        request_id, reply = await self._request(send_and_read)
+        return request_id, reply, readers[0]
+
     async def subscribe(
-        self, namespace: TrackNamespace, name: bytes, *, parameters: MessageParameters | None = None
+        self,
+        namespace: TrackNamespace,
+        name: bytes,
+        *,
+        parameters: MessageParameters | None = None,
+        payload_sink: PayloadSink | None = None,
     ) -> Subscription:
-        """SUBSCRIBE and wait for SUBSCRIBE_OK.
+        """SUBSCRIBE and wait for SUBSCRIBE_OK; ``payload_sink`` see
+        :meth:`TrackReader.set_payload_sink`.
 
         Raises:
             RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
         """
         params = parameters or MessageParameters()
-        readers: list[TrackReader] = []
-
-        def send() -> int:
-            request_id = self.session.subscribe(namespace, name, parameters=params)
-            readers.append(self.track(request_id))
-            return request_id
-
-        request_id, reply = await self._request(send)
-        return Subscription(request_id, cast(SubscribeOkReceived, reply).message, readers[0])
+        request_id, reply, reader = await self._reader_request(
+            lambda: self.session.subscribe(namespace, name, parameters=params), payload_sink
+        )
+        return Subscription(request_id, cast(SubscribeOkReceived, reply).message, reader)
 
     async def fetch(
         self,
@@ -343,6 +372,7 @@ class MOQTConnection:
         end: Location,
         *,
         parameters: MessageParameters | None = None,
+        payload_sink: PayloadSink | None = None,
     ) -> FetchResponse:
         """Standalone FETCH of ``start`` up to ``end`` (the last Location plus one).
 
@@ -350,47 +380,141 @@ class MOQTConnection:
             RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
         """
         params = parameters or MessageParameters()
-        readers: list[TrackReader] = []
+        request_id, reply, reader = await self._reader_request(
+            lambda: self.session.fetch(namespace, name, start, end, parameters=params),
+            payload_sink,
+        )
+        return FetchResponse(request_id, cast(FetchOkReceived, reply).message, reader)
 
-        def send() -> int:
-            request_id = self.session.fetch(namespace, name, start, end, parameters=params)
-            readers.append(self.track(request_id))
-            return request_id
+    async def joining_fetch(
+        self,
+        subscribe_request_id: int,
+        joining_start: int,
+        *,
+        absolute: bool = False,
+        parameters: MessageParameters | None = None,
+        payload_sink: PayloadSink | None = None,
+    ) -> FetchResponse:
+        """Joining FETCH (§9.16.2) for our subscription ``subscribe_request_id``: relative
+        (``joining_start`` groups before its Largest) or ``absolute`` (from that group).
 
-        request_id, reply = await self._request(send)
-        return FetchResponse(request_id, cast(FetchOkReceived, reply).message, readers[0])
+        Raises:
+            RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
+            LocalProtocolError: not an open SUBSCRIBE of ours.
+        """
+        params = parameters or MessageParameters()
+        request_id, reply, reader = await self._reader_request(
+            lambda: self.session.joining_fetch(
+                subscribe_request_id, joining_start, absolute=absolute, parameters=params
+            ),
+            payload_sink,
+        )
+        return FetchResponse(request_id, cast(FetchOkReceived, reply).message, reader)
 
-    async def publish_namespace(self, namespace: TrackNamespace) -> RequestOk:
+    async def publish(
+        self,
+        namespace: TrackNamespace,
+        name: bytes,
+        *,
+        track_alias: int | None = None,
+        parameters: MessageParameters | None = None,
+        track_extensions: tuple[KeyValuePair, ...] = (),
+    ) -> Publication:
+        """PUBLISH (§9.13) and wait for PUBLISH_OK.
+
+        Raises:
+            RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
+            LocalProtocolError: ``track_alias`` is in use.
+        """
+        params = parameters or MessageParameters()
+        request_id, reply = await self._request(
+            lambda: self.session.publish(
+                namespace,
+                name,
+                track_alias=track_alias,
+                parameters=params,
+                track_extensions=track_extensions,
+            )
+        )
+        request = self.session.requests.get(request_id)
+        alias = request.track_alias if request is not None else None
+        ok = cast(PublishOkReceived, reply).message
+        return Publication(request_id, -1 if alias is None else alias, ok)
+
+    async def publish_namespace(
+        self, namespace: TrackNamespace, *, parameters: MessageParameters | None = None
+    ) -> RequestOk:
         """PUBLISH_NAMESPACE and wait for REQUEST_OK.
 
         Raises:
             RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
         """
-        _, reply = await self._request(lambda: self.session.publish_namespace(namespace))
+        params = parameters or MessageParameters()
+        _, reply = await self._request(
+            lambda: self.session.publish_namespace(namespace, parameters=params)
+        )
         return cast(RequestOkReceived, reply).message
 
-    async def subscribe_namespace(
-        self, prefix: TrackNamespace
-    ) -> tuple[int, asyncio.Queue[MOQTEvent | None]]:
-        """SUBSCRIBE_NAMESPACE; returns its Request ID and the queue of NAMESPACE events.
+    async def track_status(
+        self, namespace: TrackNamespace, name: bytes, *, parameters: MessageParameters | None = None
+    ) -> RequestOk:
+        """TRACK_STATUS (§9.19) and wait for its REQUEST_OK.
 
         Raises:
             RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
         """
-        request_id, _ = await self._request(lambda: self.session.subscribe_namespace(prefix))
+        params = parameters or MessageParameters()
+        _, reply = await self._request(
+            lambda: self.session.track_status(namespace, name, parameters=params)
+        )
+        return cast(RequestOkReceived, reply).message
+
+    async def subscribe_namespace(
+        self,
+        prefix: TrackNamespace,
+        *,
+        options: SubscribeOptions = SubscribeOptions.NAMESPACE,
+        parameters: MessageParameters | None = None,
+    ) -> tuple[int, asyncio.Queue[MOQTEvent | None]]:
+        """SUBSCRIBE_NAMESPACE (§9.25) with ``options`` (NAMESPACE: NAMESPACE/NAMESPACE_DONE on
+        its stream; PUBLISH: the peer PUBLISHes matching tracks, as requests; BOTH).
+
+        Returns its Request ID and the queue of NAMESPACE/NAMESPACE_DONE events, which ends
+        (SubscribeNamespaceEnded, then None) when the stream closes.
+
+        Raises:
+            RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
+            StreamsBlockedError: the peer's bidirectional stream limit is reached.
+        """
+        params = parameters or MessageParameters()
+        request_id, _ = await self._request(
+            lambda: self.session.subscribe_namespace(prefix, options=options, parameters=params)
+        )
         return request_id, self._namespaces.setdefault(request_id, asyncio.Queue())
+
+    def unsubscribe_namespace(self, request_id: int) -> None:
+        """End our SUBSCRIBE_NAMESPACE (closes its stream); its queue ends now."""
+        self.session.unsubscribe_namespace(request_id)
+        self.transmit()
+        queue = self._namespaces.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(None)
 
     def unsubscribe(self, request_id: int) -> None:
         """UNSUBSCRIBE; the track's reader ends now."""
         self.session.unsubscribe(request_id)
         self.transmit()
-        self.track(request_id)._end()
+        reader = self._tracks.get(request_id)
+        if reader is not None:
+            reader._end()
 
     def fetch_cancel(self, request_id: int) -> None:
         """FETCH_CANCEL; the fetch's reader ends now."""
         self.session.fetch_cancel(request_id)
         self.transmit()
-        self.track(request_id)._end()
+        reader = self._tracks.get(request_id)
+        if reader is not None:
+            reader._end()
 
     # --- the peer's requests ------------------------------------------------------------------
 
@@ -404,140 +528,8 @@ class MOQTConnection:
         while (event := await self.next_request()) is not None:
             yield event
 
-    # --- sending objects ----------------------------------------------------------------------
 
-    async def _with_stream_credit(self, open_stream: Callable[[], T]) -> T:
-        while not self.session.can_open_data_stream():
-            self.transmit()
-            await self._progress()
-        result = open_stream()
-        self.transmit()
-        return result
-
-    async def open_subgroup(self, request_id: int, group_id: int, **options: Any) -> int:
-        """:meth:`MOQTSession.open_subgroup`, waiting for stream credit first."""
-        return await self._with_stream_credit(
-            lambda: self.session.open_subgroup(request_id, group_id, **options)
-        )
-
-    async def open_fetch_stream(self, request_id: int) -> int:
-        """:meth:`MOQTSession.open_fetch_stream`, waiting for stream credit first."""
-        return await self._with_stream_credit(lambda: self.session.open_fetch_stream(request_id))
-
-    async def send_object(
-        self,
-        stream_id: int,
-        object_id: int,
-        payload: Bytes,
-        *,
-        extensions: Sequence[KeyValuePair] = (),
-        end_stream: bool = False,
-    ) -> None:
-        """One subgroup object, its payload written as the stream drains."""
-        self.session.begin_object(stream_id, object_id, len(payload), extensions=extensions)
-        await self.write_payload(stream_id, payload, end_stream=end_stream)
-
-    async def send_fetch_object(
-        self,
-        stream_id: int,
-        *,
-        group_id: int,
-        object_id: int,
-        payload: Bytes,
-        extensions: Sequence[KeyValuePair] = (),
-        end_stream: bool = False,
-    ) -> None:
-        """One fetched object, its payload written as the stream drains."""
-        self.session.begin_fetch_object(
-            stream_id,
-            group_id=group_id,
-            object_id=object_id,
-            payload_length=len(payload),
-            extensions=extensions,
-        )
-        await self.write_payload(stream_id, payload, end_stream=end_stream)
-
-    async def write_payload(
-        self, stream_id: int, payload: Bytes, *, end_stream: bool = False
-    ) -> None:
-        """Hand ``payload`` to QUIC in pieces, waiting while the stream holds a lot."""
-        view = memoryview(payload).cast("B")
-        if not view:
-            if end_stream:
-                self.session.finish_stream(stream_id)
-                self.transmit()
-            return
-        for offset in range(0, len(view), WRITE_CHUNK):
-            while self.session.send_buffered(stream_id) > SEND_HIGH_WATER:
-                await self._progress()
-            piece = view[offset : offset + WRITE_CHUNK]
-            last = offset + WRITE_CHUNK >= len(view)
-            self.session.write_payload(stream_id, piece, end_stream=end_stream and last)
-            self.transmit()
-            await asyncio.sleep(0)  # let ACKs and other streams in between pieces
-
-
-# --- QUIC protocol glue --------------------------------------------------------------------------
-
-
-def tune_socket(sock: Any, size: int) -> None:
-    """Set SO_RCVBUF and SO_SNDBUF (perf.md: the default buffer drops datagrams)."""
-    if sock is None or size <= 0:
-        return
-    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, option, size)
-
-
-def _transport_socket(transport: Any) -> Any:
-    return transport.get_extra_info("socket") or getattr(transport, "_sock", None)
-
-
-_PROTOCOLS: dict[str, type] = {}
-
-
-def _protocol_class(backend: Backend) -> type:
-    """A ``QuicConnectionProtocol`` subclass of the backend's library that runs a session."""
-    cached = _PROTOCOLS.get(backend.name)
-    if cached is not None:
-        return cached
-    base: Any = importlib.import_module(f"{backend.name}.asyncio.protocol").QuicConnectionProtocol
-
-    def __init__(self: Any, quic: Any, stream_handler: Any = None, *, setup: Any) -> None:
-        base.__init__(self, quic, stream_handler)
-        session = MOQTSession(
-            quic, is_client=setup.is_client, config=setup.session, backend=backend
-        )
-        self.moqt = MOQTConnection(self, session)
-        self._moqt_setup = setup
-
-    def connection_made(self: Any, transport: Any) -> None:
-        base.connection_made(self, transport)
-        tune_socket(_transport_socket(transport), self._moqt_setup.transport.socket_buffer)
-
-    def quic_event_received(self: Any, event: Any) -> None:
-        self.moqt._dispatch(self.moqt.session.handle_event(event))
-
-    def transmit(self: Any) -> None:
-        base.transmit(self)
-        self.moqt._wake()
-
-    namespace = {
-        "__init__": __init__,
-        "connection_made": connection_made,
-        "quic_event_received": quic_event_received,
-        "transmit": transmit,
-    }
-    cls = type(f"MOQTProtocol_{backend.name}", (base,), namespace)
-    _PROTOCOLS[backend.name] = cls
-    return cls
-
-
-@dataclass(frozen=True, slots=True)
-class _Setup:
-    is_client: bool
-    session: SessionConfig
-    transport: TransportConfig
+# --- connect and serve ---------------------------------------------------------------------------
 
 
 @contextlib.asynccontextmanager
@@ -577,9 +569,9 @@ async def connect(
         authority=authority,
         authorization_tokens=tokens,
     )
-    setup = _Setup(True, config, transport or TransportConfig())
+    setup = ProtocolSetup(True, config, transport or TransportConfig(), MOQTConnection)
     library = importlib.import_module(f"{quic_backend.name}.asyncio.client")
-    cls = _protocol_class(quic_backend)
+    cls = protocol_class(quic_backend)
     async with library.connect(
         host,
         port,
@@ -633,8 +625,11 @@ async def serve(
     """Listen on ``host:port`` (port 0 picks one); call ``handler(connection)`` after each
     client's setup. A handler that raises closes its session with INTERNAL_ERROR."""
     quic_backend = get_backend(backend)
-    setup = _Setup(False, session_config or SessionConfig(), transport or TransportConfig())
-    cls = _protocol_class(quic_backend)
+    setup = ProtocolSetup(
+        False, session_config or SessionConfig(), transport or TransportConfig(), MOQTConnection
+    )
+    cls = protocol_class(quic_backend)
+    server_class = quic_server_class(quic_backend)
     loop = asyncio.get_running_loop()
     holder: list[MOQTServer] = []
 
@@ -645,16 +640,14 @@ async def serve(
         task.add_done_callback(holder[0].tasks.discard)
         return protocol
 
-    server_module = importlib.import_module(f"{quic_backend.name}.asyncio.server")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     tune_socket(sock, setup.transport.socket_buffer)
     sock.bind((host, port))
-    endpoint, quic_server = await loop.create_datagram_endpoint(
-        lambda: server_module.QuicServer(
-            configuration=configuration, create_protocol=create_protocol
-        ),
-        sock=sock,
+    endpoint, quic_server = await open_datagram_endpoint(
+        quic_backend,
+        lambda: server_class(configuration=configuration, create_protocol=create_protocol),
+        sock,
     )
     holder.append(MOQTServer(quic_server, endpoint))
     return holder[0]
@@ -673,3 +666,6 @@ async def _run_handler(connection: MOQTConnection, handler: Handler) -> None:
         log.exception("MOQT handler failed")
         if connection.session.closed is None:
             connection.close(SessionError.INTERNAL_ERROR, "handler failed")
+
+
+_transport_socket = transport_socket  # the name bench and tests used before the split

@@ -9,7 +9,15 @@ same event classes), so the MOQT session runs on either. What differs, and lives
   :meth:`Backend.can_open_stream` before opening one and never retry a failed send;
 * how many bytes a stream still holds for sending (aioquic: private sender state; qh3:
   ``get_send_buffer_size``);
-* configuration knobs (aioquic has a congestion-control choice, qh3 probes the path MTU).
+* configuration knobs (aioquic has a congestion-control choice, qh3 probes the path MTU);
+* anti-amplification: aioquic pads a client Initial datagram to 1200 bytes with zeros *after*
+  its Initial packet, and qh3's server counts only the bytes of packets it parses toward the 3x
+  limit (RFC 9000 §8.1 asks for every byte of the datagram). A qh3 server then sees ~530 bytes,
+  may send ~1.6 KB, pads its Initial to 1280 and cannot fit the Handshake packet in the rest; its
+  packet builder raises "packet builder capacity exhausted" out of ``datagrams_to_send``, the
+  datagrams built in that call are lost and the handshake limps on retransmissions (~0.8 s).
+  :func:`initial_padded_outside_packets` spots such a datagram so the server can validate the
+  address with Retry first (no amplification limit after it).
 
 The asyncio ``connect``/``serve`` of each library are reached from :mod:`moqt.asyncio`, the
 shell, so that this module stays free of I/O imports (house rule 1).
@@ -24,11 +32,15 @@ from functools import cache
 from types import ModuleType
 from typing import Any, Protocol
 
+from .errors import NeedMoreData
+from .wire import Reader
+
 ALPN_MOQT_16 = "moqt-16"
 DEFAULT_SOCKET_BUFFER = 4 << 20  # perf.md: the default 212 KiB UDP buffer drops datagrams
 MAX_DATAGRAM_FRAME_SIZE = 65536  # d16 §3.1: QUIC DATAGRAM MUST be negotiated
 BACKENDS = ("aioquic", "qh3")
 AIOQUIC_MAX_DATAGRAM = 16384  # aioquic writes STREAM/CRYPTO lengths as 2-byte varints (< 16384)
+QUIC_V2 = 0x6B3343CF  # RFC 9369 renumbers the long packet types
 
 
 class QuicConnectionLike(Protocol):
@@ -192,3 +204,53 @@ def available_backends() -> list[str]:
             continue
         found.append(name)
     return found
+
+
+def initial_padded_outside_packets(datagram: bytes) -> bool:
+    """True for a datagram that opens with a long-header Initial packet and ends in bytes that
+    belong to no packet: padding a server may not count toward its anti-amplification limit.
+    """
+    view = memoryview(datagram)
+    if not view or not view[0] & 0x80 or _long_packet_type(view) != "initial":
+        return False
+    pos = 0
+    while pos < len(view):
+        end = _long_packet_end(view[pos:])
+        if end is None:
+            return True
+        pos += end
+    return False
+
+
+def _long_packet_type(view: memoryview) -> str | None:
+    """The long-header packet type at ``view[0]`` (RFC 9000 §17.2, RFC 9369 §3.2)."""
+    if len(view) < 5:
+        return None
+    version = int.from_bytes(view[1:5], "big")
+    if version == 0:
+        return None  # Version Negotiation
+    bits = (view[0] >> 4) & 3
+    if version == QUIC_V2:
+        bits = (bits - 1) & 3  # v2: Retry 0, Initial 1, 0-RTT 2, Handshake 3
+    return ("initial", "0rtt", "handshake", "retry")[bits]
+
+
+def _long_packet_end(view: memoryview) -> int | None:
+    """Where the long-header packet at ``view[0]`` ends, or None if no whole packet starts
+    there."""
+    if not view[0] & 0x80:
+        return None
+    kind = _long_packet_type(view)
+    if kind is None or kind == "retry":
+        return None
+    reader = Reader(view[5:])
+    try:
+        for _ in range(2):  # Destination and Source Connection IDs
+            reader.read_bytes(reader.read_uint8())
+        if kind == "initial":
+            reader.read_bytes(reader.read_varint())  # Token
+        length = reader.read_varint()
+    except NeedMoreData:
+        return None
+    end = 5 + reader.position + length
+    return end if end <= len(view) else None

@@ -169,6 +169,7 @@ class MOQTSession(RequestAPI, DataPlane):
         self._next_alias = 0
         self._init_data_plane()
         ev = self._backend.events
+        self._stream_data_type: type = ev.StreamDataReceived
         self._quic_handlers: dict[type, Callable[[Any, list[MOQTEvent]], None]] = {
             ev.HandshakeCompleted: self._on_handshake_completed,
             ev.StreamDataReceived: self._on_stream_data,
@@ -226,10 +227,18 @@ class MOQTSession(RequestAPI, DataPlane):
         A peer error found here closes the QUIC connection with its MOQT code and yields
         :class:`SessionClosed` (``by_peer`` False); nothing raises.
         """
+        out: list[MOQTEvent] = []
+        if type(event) is self._stream_data_type and self._closed is None and self._setup_done:
+            data: Any = event
+            if data.stream_id & 2:  # objects on a unidirectional stream: the bulk of the traffic
+                try:
+                    self._on_data_stream(data.stream_id, data.data, data.end_stream, out)
+                except MOQTError as exc:
+                    self._fail(exc.error_code, exc.reason, out)
+                return out
         handler = self._quic_handlers.get(type(event))
         if handler is None:
-            return []
-        out: list[MOQTEvent] = []
+            return out
         if self._closed is not None and handler != self._on_terminated:
             return out
         try:

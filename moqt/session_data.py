@@ -4,7 +4,9 @@ Receiving: each unidirectional stream from the peer gets a
 :class:`~moqt.objects.DataStreamParser`; its events become session events tagged with the
 request the stream belongs to. A subgroup stream names a Track Alias, which SUBSCRIBE_OK (or
 PUBLISH) binds to a request; a stream that arrives before that binding is held, parsed, until
-the alias is bound. Payload chunks stay memoryview slices of the received data.
+the alias is bound. Payload chunks stay memoryview slices of the received data. A request
+with a :class:`~moqt.session_events.TrackSink` gets its data events handed to the sink instead
+of returned, its payload pieces as plain calls (no event object per chunk).
 
 Sending: ``open_subgroup`` / ``open_fetch_stream`` write the stream header; ``begin_object``
 writes an object's fields and ``write_payload`` its payload, in as many pieces as the caller
@@ -48,6 +50,7 @@ from .session_events import (
     ObjectEnd,
     ObjectHeader,
     SubgroupStreamOpened,
+    TrackSink,
 )
 from .session_state import (
     LocalProtocolError,
@@ -99,6 +102,7 @@ class DataPlane:
     _out_streams: dict[int, _OutStream]
     _aliases_in: dict[int, int]  # Track Alias of incoming objects -> request id
     _held_by_alias: dict[int, list[int]]  # alias -> stream ids held for it
+    _sinks: dict[int, TrackSink]  # request id -> where its data events go
 
     if TYPE_CHECKING:  # provided by MOQTSession
 
@@ -109,6 +113,22 @@ class DataPlane:
         self._out_streams = {}
         self._aliases_in = {}
         self._held_by_alias = {}
+        self._sinks = {}
+
+    def set_track_sink(self, request_id: int, sink: TrackSink | None) -> None:
+        """Hand the data events of ``request_id`` to ``sink`` as they happen (None: return
+        them from ``handle_event`` again)."""
+        if sink is None:
+            self._sinks.pop(request_id, None)
+        else:
+            self._sinks[request_id] = sink
+
+    def _deliver(self, request_id: int, event: MOQTEvent, out: list[MOQTEvent]) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            out.append(event)
+        else:
+            sink.on_event(event)
 
     # --- receiving ---------------------------------------------------------------------------
 
@@ -128,15 +148,29 @@ class DataPlane:
         except MalformedTrack as exc:
             self._malformed(stream_id, stream, exc.reason, out)
             return
-        for event in parsed:
-            self._route(stream_id, stream, event, out)
+        request_id = stream.request_id
+        sink = None if request_id is None or stream.held else self._sinks.get(request_id)
+        if sink is None:
+            for event in parsed:
+                self._route(stream_id, stream, event, out)
+        else:  # a bound stream with a sink: payload pieces go straight to it
+            on_payload = sink.on_payload
+            for event in parsed:
+                if type(event) is ObjectChunk:
+                    on_payload(stream_id, event.data, event.offset)
+                else:
+                    self._route(stream_id, stream, event, out)
         if end_stream and stream.held is None:
             self._in_streams.pop(stream_id, None)
 
     def _route(
         self, stream_id: int, stream: _InStream, event: DataStreamEvent, out: list[MOQTEvent]
     ) -> None:
-        if isinstance(event, SubgroupHeader):
+        if type(event) is ObjectChunk and stream.held is None:  # the hot path: payload
+            request_id = stream.request_id
+            if request_id is not None and not stream.ignored:
+                self._payload(stream_id, request_id, event, out)
+        elif isinstance(event, SubgroupHeader):
             self._open_subgroup_in(stream_id, stream, event, out)
         elif isinstance(event, FetchHeader):
             self._open_fetch_in(stream_id, stream, event.request_id, out)
@@ -159,7 +193,7 @@ class DataPlane:
             self._held_by_alias.setdefault(alias, []).append(stream_id)
             return
         stream.request_id = request_id
-        out.append(SubgroupStreamOpened(stream_id, request_id, header))
+        self._deliver(request_id, SubgroupStreamOpened(stream_id, request_id, header), out)
 
     def _open_fetch_in(
         self, stream_id: int, stream: _InStream, request_id: int, out: list[MOQTEvent]
@@ -174,7 +208,7 @@ class DataPlane:
         if request.kind != RequestKind.FETCH or not request.local:
             raise ProtocolViolation(f"FETCH_HEADER names {request.kind.name} {request_id}")
         stream.request_id = request_id
-        out.append(FetchStreamOpened(stream_id, request_id))
+        self._deliver(request_id, FetchStreamOpened(stream_id, request_id), out)
 
     def _emit(
         self,
@@ -184,22 +218,34 @@ class DataPlane:
         event: DataStreamEvent,
         out: list[MOQTEvent],
     ) -> None:
+        emitted: MOQTEvent
         if isinstance(event, ObjectChunk):
-            out.append(ObjectData(stream_id, request_id, event.data, event.offset))
-        elif isinstance(event, ObjectStart):
-            out.append(ObjectHeader(stream_id, request_id, stream.track_alias, event))
+            self._payload(stream_id, request_id, event, out)
+            return
+        if isinstance(event, ObjectStart):
+            emitted = ObjectHeader(stream_id, request_id, stream.track_alias, event)
         elif isinstance(event, ParsedObjectEnd):
-            out.append(ObjectEnd(stream_id, request_id, event.group_id, event.object_id))
+            emitted = ObjectEnd(stream_id, request_id, event.group_id, event.object_id)
         elif isinstance(event, EndOfRange):
-            out.append(
-                EndOfRangeReceived(
-                    stream_id, request_id, event.group_id, event.object_id, event.unknown
-                )
+            emitted = EndOfRangeReceived(
+                stream_id, request_id, event.group_id, event.object_id, event.unknown
             )
         elif isinstance(event, StreamFinished):
             if stream.track_alias is None:  # a fetch stream: the fetch is complete
                 self.requests.apply(request_id, Signal.FETCH_COMPLETE, by_local=False)
-            out.append(DataStreamFinished(stream_id, request_id))
+            emitted = DataStreamFinished(stream_id, request_id)
+        else:
+            return
+        self._deliver(request_id, emitted, out)
+
+    def _payload(
+        self, stream_id: int, request_id: int, chunk: ObjectChunk, out: list[MOQTEvent]
+    ) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            out.append(ObjectData(stream_id, request_id, chunk.data, chunk.offset))
+        else:
+            sink.on_payload(stream_id, chunk.data, chunk.offset)
 
     def _bind_alias(self, alias: int, request_id: int, out: list[MOQTEvent]) -> None:
         """Route the Track Alias to ``request_id`` and release streams held for it."""
@@ -211,7 +257,8 @@ class DataPlane:
             held, stream.held, stream.request_id = stream.held, None, request_id
             for event in held:
                 if isinstance(event, SubgroupHeader):
-                    out.append(SubgroupStreamOpened(stream_id, request_id, event))
+                    opened = SubgroupStreamOpened(stream_id, request_id, event)
+                    self._deliver(request_id, opened, out)
                 else:
                     self._emit(stream_id, stream, request_id, event, out)
             if stream.ended:
@@ -235,15 +282,17 @@ class DataPlane:
         request_id = stream.request_id
         header = stream.parser.header  # the error may come in the feed that held the header
         if request_id is None and isinstance(header, SubgroupHeader):
+            stream.track_alias = header.track_alias  # a subgroup stream, not a fetch's
             request_id = self._aliases_in.get(header.track_alias)
         elif request_id is None and isinstance(header, FetchHeader):
             request_id = header.request_id
         if request_id is None:
             return
+        stream.request_id = request_id  # the peer's RESET of this stream names the request
         request = self.requests.get(request_id)
         if request is not None:
             self._cancel_malformed(request)
-        out.append(MalformedTrackDetected(request_id, stream_id, reason))
+        self._deliver(request_id, MalformedTrackDetected(request_id, stream_id, reason), out)
 
     def _cancel_malformed(self, request: Request) -> None:
         kind, request_id = request.kind, request.request_id
@@ -261,7 +310,11 @@ class DataPlane:
         request_id = None if stream is None else stream.request_id
         if stream is not None and request_id is not None and stream.track_alias is None:
             self.requests.apply(request_id, Signal.FETCH_COMPLETE, by_local=False)
-        out.append(DataStreamReset(stream_id, request_id, error_code))
+        reset = DataStreamReset(stream_id, request_id, error_code)
+        if request_id is None:
+            out.append(reset)
+        else:
+            self._deliver(request_id, reset, out)
 
     def _on_stop_sending(self, stream_id: int, error_code: int, out: list[MOQTEvent]) -> None:
         stream = self._out_streams.pop(stream_id, None)
@@ -278,7 +331,7 @@ class DataPlane:
             return  # one lost datagram; datagrams carry no delivery promise
         request_id = self._aliases_in.get(datagram.track_alias)
         if request_id is not None:  # an unknown alias may precede its SUBSCRIBE_OK: drop
-            out.append(DatagramReceived(request_id, datagram))
+            self._deliver(request_id, DatagramReceived(request_id, datagram), out)
 
     # --- sending -------------------------------------------------------------------------------
 

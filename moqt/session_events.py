@@ -4,11 +4,16 @@ Like aioquic's H3 events: frozen dataclasses, one per thing that happened, in wi
 events carry the decoded message; data events carry the stream, the request the stream belongs
 to (resolved from the Track Alias or the FETCH_HEADER) and payload chunks as memoryview slices
 of the received QUIC data, so a 2 MiB object is consumed piece by piece without copies.
+
+A request with a :class:`TrackSink` (``MOQTSession.set_track_sink``) gets its data events handed
+to the sink as they happen instead of returned, and its payload as plain calls with no event
+object per chunk.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from .messages import (
     Fetch,
@@ -364,3 +369,18 @@ class MalformedTrackDetected(MOQTEvent):
     request_id: int
     stream_id: int | None
     reason: str
+
+
+class TrackSink(Protocol):
+    """Receives the data events of one request synchronously, in wire order.
+
+    ``on_payload`` replaces :class:`ObjectData` (no event object per chunk); every other event
+    of the request (stream opened, object header and end, End of Range, stream finished or
+    reset, datagram, malformed track) goes to ``on_event``.
+    """
+
+    def on_event(self, event: MOQTEvent) -> None:
+        """A data event of the request."""
+
+    def on_payload(self, stream_id: int, data: memoryview, offset: int) -> None:
+        """A piece of the current object's payload on ``stream_id``, at ``offset``."""

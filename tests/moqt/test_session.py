@@ -33,6 +33,7 @@ from moqt.session import MOQTSession, SessionConfig
 from moqt.session_events import (
     DatagramReceived,
     DataStreamFinished,
+    DataStreamReset,
     FetchOkReceived,
     FetchReceived,
     FetchStreamOpened,
@@ -643,3 +644,75 @@ def test_a_request_that_does_not_encode_uses_no_request_id(pair: Pair) -> None:
     pair.pump()
     assert one(pair.server_events, SubscribeReceived).request_id == 0
     assert pair.server.closed is None
+
+
+# --- track sinks ---------------------------------------------------------------------------------
+
+
+class RecordingSink:
+    """A TrackSink that keeps what it was handed, payload pieces as bytes."""
+
+    def __init__(self) -> None:
+        self.events: list[MOQTEvent] = []
+        self.payload: list[tuple[int, bytes, int]] = []
+
+    def on_event(self, event: MOQTEvent) -> None:
+        self.events.append(event)
+
+    def on_payload(self, stream_id: int, data: memoryview, offset: int) -> None:
+        assert isinstance(data, memoryview)
+        self.payload.append((stream_id, bytes(data), offset))
+
+
+def test_a_track_sink_gets_the_data_events_and_payload_without_object_data(pair: Pair) -> None:
+    rid = pair.c.subscribe(NS, TRACK)
+    sink = RecordingSink()
+    pair.c.set_track_sink(rid, sink)
+    pair.pump()
+    pair.server.subscribe_ok(rid)
+    stream_id = pair.server.open_subgroup(rid, 0, end_of_group=True)
+    big = b"K" * 40_000 + b"V" * 40_000
+    pair.server.send_object(stream_id, 0, big)
+    pair.server.send_object(stream_id, 1, b"small", end_stream=True)
+    pair.pump()
+    assert of_type(pair.client_events, ObjectData) == []
+    kinds = [type(event) for event in sink.events]
+    objects = [ObjectHeader, ObjectEnd] * 2
+    assert kinds == [SubgroupStreamOpened, *objects, DataStreamFinished]
+    first = b"".join(data for _, data, _ in sink.payload[:-1])
+    assert first == big and sink.payload[-1] == (stream_id, b"small", 0)
+    offsets = [offset for _, _, offset in sink.payload[:-1]]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+def test_a_track_sink_gets_datagrams_and_the_malformed_track(pair: Pair) -> None:
+    rid = pair.c.subscribe(NS, TRACK)
+    sink = RecordingSink()
+    pair.c.set_track_sink(rid, sink)
+    pair.pump()
+    pair.server.subscribe_ok(rid)
+    pair.pump()
+    pair.server.send_datagram(rid, 0, 0, b"dgram")
+    stream_id = pair.server.open_subgroup(rid, 1)
+    immutable = (ExtensionType.IMMUTABLE_EXTENSIONS, encode_kvps([(0x4B57, b"x" * 32)]))
+    pair.server.send_object(stream_id, 0, b"abc", extensions=[immutable, immutable])
+    pair.pump()
+    datagram = next(e for e in sink.events if isinstance(e, DatagramReceived))
+    assert bytes(datagram.datagram.payload) == b"dgram"
+    kinds = [type(event) for event in sink.events]
+    assert kinds[-2:] == [MalformedTrackDetected, DataStreamReset]  # the publisher's reset too
+    assert of_type(pair.client_events, DatagramReceived) == []
+    assert of_type(pair.client_events, MalformedTrackDetected) == []
+    assert of_type(pair.client_events, DataStreamReset) == []
+
+
+def test_removing_the_sink_returns_events_again(pair: Pair) -> None:
+    rid = pair.c.fetch(NS, TRACK, Location(0, 0), Location(0, 2))
+    sink = RecordingSink()
+    pair.c.set_track_sink(rid, sink)
+    pair.c.set_track_sink(rid, None)
+    pair.pump()
+    serve_fetch(pair, rid, 0, 1, layers(2, 1000))
+    assert sink.events == [] and sink.payload == []
+    assert of_type(pair.client_events, FetchStreamOpened)[0].request_id == rid
+    assert collect_objects(pair.client_events, rid) == dict(enumerate(layers(2, 1000)))

@@ -1,0 +1,544 @@
+"""The asyncio plumbing under :mod:`moqt.asyncio`: track readers, object sending, errors, and
+the QUIC glue.
+
+:class:`TrackReader` is the session's :class:`~moqt.session_events.TrackSink` for one request:
+the session hands it the request's data events synchronously from the QUIC event handler, so a
+payload piece costs a deque append, not an event object, a queue put and a task switch. A
+reader with a payload sink (:meth:`TrackReader.set_payload_sink`) passes the pieces straight on
+and queues only object boundaries and stream events.
+
+:class:`ObjectSender` writes objects as the transport allows: a stream opens once the peer's
+stream limit allows it, payload (one buffer or several, e.g. K and V, never joined) goes to QUIC
+while the stream holds less than a high-water mark, and writes ask for one transmit at the end
+of the loop iteration, so the objects a publisher writes in a row leave in full packets instead
+of one short packet per object.
+
+The glue is the QUIC library's own ``QuicConnectionProtocol`` (aioquic or qh3) subclassed to run
+a session, and for qh3 a ``QuicServer`` that validates the client's address with Retry when its
+Initial datagram is padded outside the packet (see :mod:`moqt.backend`). Every QUIC socket gets
+SO_RCVBUF/SO_SNDBUF of ``TransportConfig.socket_buffer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+
+from .backend import Backend, TransportConfig, initial_padded_outside_packets
+from .errors import ObjectStatus
+from .messages import STREAM_COUNT_UNKNOWN
+from .session import MOQTSession, SessionConfig
+from .session_events import (
+    DatagramReceived,
+    DataStreamFinished,
+    DataStreamReset,
+    MalformedTrackDetected,
+    MOQTEvent,
+    ObjectData,
+    ObjectEnd,
+    ObjectHeader,
+    PublishDoneReceived,
+    RequestErrorReceived,
+    SessionClosed,
+)
+from .wire import Bytes, KeyValuePair, as_byte_view
+
+T = TypeVar("T")
+PayloadSink: TypeAlias = Callable[[ObjectHeader, memoryview, int], None]
+"""``sink(header, data, offset)``: a payload piece of the object ``header`` describes."""
+_Piece: TypeAlias = tuple[ObjectHeader, memoryview, int]  # a queued payload piece
+_Item: TypeAlias = MOQTEvent | _Piece
+
+
+class SessionClosedError(ConnectionError):
+    """The MOQT session ended; ``closed`` says how."""
+
+    def __init__(self, closed: SessionClosed) -> None:
+        self.closed = closed
+        super().__init__(f"MOQT session closed: {closed.error_code:#x} {closed.reason}")
+
+
+class RequestRejected(Exception):
+    """The peer answered our request with REQUEST_ERROR."""
+
+    def __init__(self, event: RequestErrorReceived) -> None:
+        self.error_code = int(event.message.error_code)
+        self.reason = event.message.reason
+        self.retry_interval = event.message.retry_interval
+        super().__init__(f"request {event.request_id} refused: {self.error_code:#x} {self.reason}")
+
+
+class MalformedTrackError(Exception):
+    """The session found the track malformed (§11), stopped its stream and cancelled the
+    request; ``event`` says where."""
+
+    def __init__(self, event: MalformedTrackDetected) -> None:
+        self.event = event
+        self.request_id = event.request_id
+        self.stream_id = event.stream_id
+        self.reason = event.reason
+        super().__init__(f"request {event.request_id}: malformed track: {event.reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedObject:
+    """A whole object, its payload joined from the pieces that arrived."""
+
+    group_id: int
+    object_id: int
+    extensions: tuple[KeyValuePair, ...]
+    status: ObjectStatus
+    payload: bytearray
+
+
+class TrackReader:
+    """The objects of one subscription, fetch or PUBLISH, in arrival order.
+
+    A fetch ends with its stream; a subscription once PUBLISH_DONE arrived and as many streams
+    as it counted have ended (at once when the count is unknown). A malformed track ends the
+    reader with :class:`MalformedTrackError`, a closed session with :class:`SessionClosedError`.
+    """
+
+    def __init__(
+        self, request_id: int, *, on_end: Callable[[TrackReader], None] | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.ended = False
+        self._items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: Exception | None = None
+        self._streams_expected: int | None = None
+        self._streams_ended = 0
+        self._current: dict[int, ObjectHeader] = {}  # stream id -> the object arriving on it
+        self._sink: PayloadSink | None = None
+        self._on_end = on_end
+
+    # --- fed by the session (TrackSink), synchronously ------------------------------------------
+
+    def on_event(self, event: MOQTEvent) -> None:
+        """A data event of the track (see :class:`~moqt.session_events.TrackSink`)."""
+        if self.ended:
+            return
+        if isinstance(event, ObjectData):  # from the session's event list, not the sink path
+            self.on_payload(event.stream_id, event.data, event.offset)
+            return
+        if isinstance(event, ObjectHeader):
+            self._current[event.stream_id] = event
+        self._push(event)
+        if isinstance(event, DataStreamFinished | DataStreamReset):
+            self._current.pop(event.stream_id, None)
+            self._streams_ended += 1
+        elif isinstance(event, PublishDoneReceived):
+            count = event.message.stream_count
+            self._streams_expected = 0 if count == STREAM_COUNT_UNKNOWN else count
+        elif isinstance(event, MalformedTrackDetected):
+            self._end(MalformedTrackError(event))
+            return
+        expected = self._streams_expected
+        if expected is not None and self._streams_ended >= expected:
+            self._end()
+
+    def on_payload(self, stream_id: int, data: memoryview, offset: int) -> None:
+        """A payload piece: to the payload sink, or queued for the iterators."""
+        if self.ended:
+            return
+        sink = self._sink
+        if sink is not None:
+            sink(self._current[stream_id], data, offset)
+        else:
+            self._items.append((self._current[stream_id], data, offset))
+            self._wake()
+
+    _feed = on_event  # the name the connection used before the sink path
+
+    def _push(self, item: _Item) -> None:
+        self._items.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fetch_done(self) -> None:
+        self._streams_expected = 1
+        if self._streams_ended >= 1:
+            self._end()
+
+    def _end(self, error: Exception | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self._error = error
+        self._wake()
+        if self._on_end is not None:
+            self._on_end(self)
+
+    # --- read by the application ------------------------------------------------------------------
+
+    def set_payload_sink(self, sink: PayloadSink | None) -> None:
+        """Hand payload pieces to ``sink(header, data, offset)`` as they arrive, from the QUIC
+        event handler; the iterators then carry object boundaries and stream events only.
+
+        ``data`` is a slice of the received QUIC data (valid while referenced). Pieces queued
+        before the sink was set go to it now, in order.
+        """
+        self._sink = sink
+        if sink is None or not self._items:
+            return
+        kept: list[_Item] = []
+        for item in self._items:
+            if isinstance(item, tuple):
+                sink(*item)
+            else:
+                kept.append(item)
+        self._items.clear()  # in place: an iterator may hold this deque
+        self._items.extend(kept)
+
+    def current_object(self, stream_id: int) -> ObjectHeader | None:
+        """The header of the object arriving on ``stream_id`` (already received, maybe not yet
+        read), or None."""
+        return self._current.get(stream_id)
+
+    async def _drain(self) -> AsyncIterator[_Item]:
+        items = self._items
+        while True:
+            while items:
+                yield items.popleft()
+            if self.ended:
+                if self._error is not None:
+                    raise self._error
+                return
+            await self._wait()
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def events(self) -> AsyncIterator[MOQTEvent]:
+        """The raw data events: stream opened, object header, payload pieces, ends.
+
+        Raises:
+            SessionClosedError: the session ended before the track did.
+            MalformedTrackError: the session found the track malformed (after yielding the
+                :class:`~moqt.session_events.MalformedTrackDetected` event).
+        """
+        request_id = self.request_id
+        while True:  # _drain() inlined: one generator hop less per payload piece
+            items = self._items
+            while items:
+                item = items.popleft()
+                if type(item) is tuple:
+                    yield ObjectData(item[0].stream_id, request_id, item[1], item[2])
+                else:
+                    yield cast(MOQTEvent, item)
+            if self.ended:
+                if self._error is not None:
+                    raise self._error
+                return
+            await self._wait()
+
+    async def objects(self) -> AsyncIterator[ReceivedObject]:
+        """Whole objects (pieces joined, datagrams included); ends with the track, raising on
+        a stream reset.
+
+        With a payload sink set, the objects carry no payload.
+
+        Raises:
+            ConnectionResetError: a data stream of the track was reset by the peer.
+            SessionClosedError, MalformedTrackError: as :meth:`events`.
+        """
+        parts: dict[int, tuple[ObjectHeader, bytearray]] = {}
+        async for item in self._drain():
+            if isinstance(item, tuple):
+                header, data, offset = item
+                parts[header.stream_id][1][offset : offset + len(data)] = data
+            elif isinstance(item, ObjectHeader):
+                size = 0 if self._sink is not None else item.payload_length
+                parts[item.stream_id] = (item, bytearray(size))
+            elif isinstance(item, ObjectEnd):
+                header, payload = parts.pop(item.stream_id)
+                obj = header.object
+                yield ReceivedObject(
+                    obj.group_id, obj.object_id, obj.extensions, obj.status, payload
+                )
+            elif isinstance(item, DatagramReceived):
+                d = item.datagram
+                yield ReceivedObject(
+                    d.group_id, d.object_id, d.extensions, d.status, bytearray(d.payload)
+                )
+            elif isinstance(item, DataStreamReset):
+                raise ConnectionResetError(f"stream {item.stream_id} reset: {item.error_code}")
+
+
+# --- sockets and the QUIC library's protocol ------------------------------------------------------
+
+
+def tune_socket(sock: Any, size: int) -> None:
+    """Set SO_RCVBUF and SO_SNDBUF (perf.md: the default buffer drops datagrams)."""
+    if sock is None or size <= 0:
+        return
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, size)
+
+
+def transport_socket(transport: Any) -> Any:
+    """The UDP socket under an asyncio datagram transport (qh3's own transport hides it)."""
+    return transport.get_extra_info("socket") or getattr(transport, "_sock", None)
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolSetup:
+    """What a protocol instance needs: its role, settings and how to wrap its session."""
+
+    is_client: bool
+    session: SessionConfig
+    transport: TransportConfig
+    make_connection: Callable[[Any, MOQTSession], Any]
+
+
+_PROTOCOLS: dict[str, type] = {}
+
+
+def protocol_class(backend: Backend) -> type:
+    """A ``QuicConnectionProtocol`` subclass of the backend's library that runs a session;
+    instances take ``(quic, stream_handler, *, setup: ProtocolSetup)`` and expose the wrapped
+    session as ``.moqt``."""
+    cached = _PROTOCOLS.get(backend.name)
+    if cached is not None:
+        return cached
+    base: Any = importlib.import_module(f"{backend.name}.asyncio.protocol").QuicConnectionProtocol
+
+    def __init__(self: Any, quic: Any, stream_handler: Any = None, *, setup: Any) -> None:
+        base.__init__(self, quic, stream_handler)
+        session = MOQTSession(
+            quic, is_client=setup.is_client, config=setup.session, backend=backend
+        )
+        self.moqt = setup.make_connection(self, session)
+        self._moqt_setup = setup
+
+    def connection_made(self: Any, transport: Any) -> None:
+        base.connection_made(self, transport)
+        tune_socket(transport_socket(transport), self._moqt_setup.transport.socket_buffer)
+
+    def quic_event_received(self: Any, event: Any) -> None:
+        events = self.moqt.session.handle_event(event)
+        if events:
+            self.moqt._dispatch(events)
+
+    def transmit(self: Any) -> None:
+        base.transmit(self)
+        self.moqt._wake()
+
+    namespace = {
+        "__init__": __init__,
+        "connection_made": connection_made,
+        "quic_event_received": quic_event_received,
+        "transmit": transmit,
+    }
+    cls = type(f"MOQTProtocol_{backend.name}", (base,), namespace)
+    _PROTOCOLS[backend.name] = cls
+    return cls
+
+
+async def open_datagram_endpoint(
+    backend: Backend, protocol_factory: Callable[[], Any], sock: socket.socket
+) -> tuple[Any, Any]:
+    """A datagram endpoint on the bound ``sock``: qh3's batched GRO/GSO transport (the one its
+    own client uses; one ``sendmsg`` for many datagrams) where available, else asyncio's."""
+    loop = asyncio.get_running_loop()
+    if backend.name == "qh3":
+        with contextlib.suppress(ImportError, AttributeError):
+            module: Any = importlib.import_module("qh3.asyncio._transport")
+            create = module.create_optimized_datagram_transport
+            return cast(tuple[Any, Any], await create(loop, protocol_factory, sock=sock))
+    return await loop.create_datagram_endpoint(protocol_factory, sock=sock)
+
+
+def quic_server_class(backend: Backend) -> type:
+    """The backend's ``QuicServer``; for qh3 one that sends Retry to a client whose Initial
+    datagram is padded outside its packets (aioquic's), so qh3's anti-amplification accounting
+    cannot stall the handshake (:mod:`moqt.backend`)."""
+    base: Any = importlib.import_module(f"{backend.name}.asyncio.server").QuicServer
+    if backend.name != "qh3":
+        return cast(type, base)
+    return _qh3_retry_server(base)
+
+
+def _qh3_retry_server(base: Any) -> type:
+    cached = _PROTOCOLS.get("qh3-server")
+    if cached is not None:
+        return cached
+
+    def __init__(self: Any, **kwargs: Any) -> None:
+        base.__init__(self, retry=True, **kwargs)
+        self._moqt_retry = self._retry
+
+    def datagram_received(self: Any, data: bytes, addr: Any) -> None:
+        # qh3 consults ``_retry`` only for an Initial that opens a connection; a qh3 client
+        # pads inside its packets and keeps the 1-RTT handshake
+        self._retry = self._moqt_retry if initial_padded_outside_packets(data) else None
+        base.datagram_received(self, data, addr)
+
+    namespace = {"__init__": __init__, "datagram_received": datagram_received}
+    cls = type("MOQTQuicServer_qh3", (base,), namespace)
+    _PROTOCOLS["qh3-server"] = cls
+    return cls
+
+
+# --- sending objects -----------------------------------------------------------------------------
+
+WRITE_CHUNK = 256 << 10  # payload handed to QUIC per call
+SEND_HIGH_WATER = 2 << 20  # wait while a stream holds more than this
+YIELD_BYTES = 1 << 20  # let other tasks run after this much payload written in a row
+YIELD_WRITES = 64  # ... or this many writes
+
+Payload: TypeAlias = Bytes | Sequence[Bytes]
+"""An object payload: one buffer, or several (K and V) written one after another, unjoined."""
+
+
+def _byte_parts(payload: Payload) -> list[Bytes]:
+    """``payload`` as flat byte buffers (a typed memoryview is recast, never copied)."""
+    parts = [payload] if isinstance(payload, bytes | bytearray | memoryview) else list(payload)
+    return [
+        as_byte_view(part) if isinstance(part, memoryview) and part.format != "B" else part
+        for part in parts
+    ]
+
+
+class ObjectSender:
+    """Mixin of :class:`~moqt.asyncio.MOQTConnection`: objects written as the transport allows.
+
+    Streams open once the peer's stream limit allows; payloads go to QUIC while the stream holds
+    less than a high-water mark; writes ask for one transmit at the end of the loop iteration.
+    """
+
+    session: MOQTSession
+    _loop: asyncio.AbstractEventLoop
+    _transmit_pending: bool
+    _unyielded: list[int]
+
+    if TYPE_CHECKING:  # provided by MOQTConnection
+
+        def transmit(self) -> None: ...
+
+        async def _progress(self) -> None: ...
+
+    def _transmit_soon(self) -> None:
+        """Transmit once this loop iteration's writes are queued (full packets)."""
+        if not self._transmit_pending:
+            self._transmit_pending = True
+            self._loop.call_soon(self._transmit_deferred)
+
+    def _transmit_deferred(self) -> None:
+        if self._transmit_pending:
+            self.transmit()
+
+    async def _with_stream_credit(self, open_stream: Callable[[], T]) -> T:
+        while not self.session.can_open_data_stream():
+            self.transmit()
+            await self._progress()
+        result = open_stream()
+        self._transmit_soon()
+        return result
+
+    async def open_subgroup(self, request_id: int, group_id: int, **options: Any) -> int:
+        """:meth:`MOQTSession.open_subgroup`, waiting for stream credit first."""
+        return await self._with_stream_credit(
+            lambda: self.session.open_subgroup(request_id, group_id, **options)
+        )
+
+    async def open_fetch_stream(self, request_id: int) -> int:
+        """:meth:`MOQTSession.open_fetch_stream`, waiting for stream credit first."""
+        return await self._with_stream_credit(lambda: self.session.open_fetch_stream(request_id))
+
+    async def send_object(
+        self,
+        stream_id: int,
+        object_id: int,
+        payload: Payload,
+        *,
+        extensions: Sequence[KeyValuePair] = (),
+        end_stream: bool = False,
+    ) -> None:
+        """One subgroup object, its payload (one buffer or several) written as the stream
+        drains."""
+        parts = _byte_parts(payload)
+        size = sum(len(part) for part in parts)
+        self.session.begin_object(stream_id, object_id, size, extensions=extensions)
+        await self._write_parts(stream_id, parts, size, end_stream)
+
+    async def send_fetch_object(
+        self,
+        stream_id: int,
+        *,
+        group_id: int,
+        object_id: int,
+        payload: Payload,
+        extensions: Sequence[KeyValuePair] = (),
+        end_stream: bool = False,
+    ) -> None:
+        """One fetched object, its payload (one buffer or several) written as the stream
+        drains."""
+        parts = _byte_parts(payload)
+        size = sum(len(part) for part in parts)
+        self.session.begin_fetch_object(
+            stream_id,
+            group_id=group_id,
+            object_id=object_id,
+            payload_length=size,
+            extensions=extensions,
+        )
+        await self._write_parts(stream_id, parts, size, end_stream)
+
+    async def write_payload(
+        self, stream_id: int, payload: Payload, *, end_stream: bool = False
+    ) -> None:
+        """Hand ``payload`` (one buffer or several) to QUIC in pieces, waiting while the stream
+        holds a lot."""
+        parts = _byte_parts(payload)
+        await self._write_parts(stream_id, parts, sum(len(part) for part in parts), end_stream)
+
+    async def _write_parts(
+        self, stream_id: int, parts: list[Bytes], size: int, end_stream: bool
+    ) -> None:
+        session = self.session
+        if not size:
+            if end_stream:
+                session.finish_stream(stream_id)
+                self._transmit_soon()
+            return
+        left = size
+        for part in parts:
+            length = len(part)
+            view = None if length <= WRITE_CHUNK else as_byte_view(part)
+            for start in range(0, length, WRITE_CHUNK):
+                piece = part if view is None else view[start : start + WRITE_CHUNK]
+                while session.send_buffered(stream_id) > SEND_HIGH_WATER:
+                    self.transmit()
+                    await self._progress()
+                left -= len(piece)
+                session.write_payload(stream_id, piece, end_stream=end_stream and not left)
+                await self._maybe_yield(len(piece))
+        self._transmit_soon()
+
+    async def _maybe_yield(self, written: int) -> None:
+        """Let ACKs and other tasks in now and then, not after every object (the transmit
+        that follows a yield flushes what was queued, so fewer short packets)."""
+        counts = self._unyielded
+        counts[0] += written
+        counts[1] += 1
+        if counts[0] >= YIELD_BYTES or counts[1] >= YIELD_WRITES:
+            counts[0] = counts[1] = 0
+            self._transmit_soon()
+            await asyncio.sleep(0)

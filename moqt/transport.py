@@ -15,8 +15,9 @@ of one short packet per object.
 
 The glue is the QUIC library's own ``QuicConnectionProtocol`` (aioquic or qh3) subclassed to run
 a session, and for qh3 a ``QuicServer`` that validates the client's address with Retry when its
-Initial datagram is padded outside the packet (see :mod:`moqt.backend`). Every QUIC socket gets
-SO_RCVBUF/SO_SNDBUF of ``TransportConfig.socket_buffer``.
+Initial datagram is padded outside the packet (see :mod:`moqt.backend`), listening on qh3's
+batched GRO/GSO datagram transport (one ``sendmsg`` for many datagrams, as qh3's own client
+does). Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of ``TransportConfig.socket_buffer``.
 """
 
 from __future__ import annotations

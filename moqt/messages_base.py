@@ -6,6 +6,7 @@ The message classes live in :mod:`moqt.messages` (session, replies, namespaces, 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from enum import IntEnum
 from typing import ClassVar, Self
 
@@ -94,7 +95,7 @@ def as_enum(enum: type[IntEnum], value: int) -> int:
     return enum(value) if value in enum._value2member_map_ else value
 
 
-class ControlMessage:
+class ControlMessage(ABC):
     """Base of every control message: ``encode()`` gives the framed bytes (§9)."""
 
     __slots__ = ()
@@ -111,12 +112,14 @@ class ControlMessage:
         self._push(writer)
         return frame_control_message(self.TYPE, writer.data)
 
+    @abstractmethod
     def _push(self, writer: Writer) -> None:
-        raise NotImplementedError
+        """Write the payload's fields."""
 
     @classmethod
+    @abstractmethod
     def _read(cls, reader: Reader) -> Self:
-        raise NotImplementedError
+        """Read the payload's fields."""
 
     @classmethod
     def decode(cls, payload: Bytes) -> Self:

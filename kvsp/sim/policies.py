@@ -31,6 +31,7 @@ made the synthetic trace's 8 % worse (it fetched twice as many blocks and evicte
 
 from __future__ import annotations
 
+import abc
 import random
 from collections import deque
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ class Placement:
     sources: tuple[str | None, ...] | None = None
 
 
-class Policy:
+class Policy(abc.ABC):
     """A placement policy over a :class:`Cluster`; ``place`` is called at each arrival,
     ``completed`` after each prefill."""
 
@@ -63,11 +64,11 @@ class Policy:
         self.cluster = cluster
         self.seed = seed
 
+    @abc.abstractmethod
     def place(self, request: SimRequest, now_us: float) -> Placement:
         """Choose the instance for ``request`` at ``now_us``."""
-        raise NotImplementedError
 
-    def completed(self, job: Job) -> None:
+    def completed(self, job: Job) -> None:  # noqa: B027 - an optional hook
         """Learn from a finished request (nothing by default)."""
 
 
@@ -164,7 +165,7 @@ class KvspPolicy(Policy):
         )
         return None if decision is None else decision.estimate
 
-    def completed(self, job: Job) -> None:
+    def completed(self, job: Job) -> None:  # noqa: B027 - an optional hook
         """Feed the job's service time (start to end of prefill) to the estimator."""
         self.estimator.observe(job.instance.uri, job.finish_us - job.start_us)
 
@@ -237,7 +238,7 @@ class BacklogAwarePolicy(KvspPolicy):
             self.work.placed(best.instance, best.cost_us - best.wait_us)
         return best
 
-    def completed(self, job: Job) -> None:
+    def completed(self, job: Job) -> None:  # noqa: B027 - an optional hook
         """Retire the finished request from the booked work."""
         self.work.finished(job.instance.uri, job.finish_us)
 

@@ -17,17 +17,29 @@ TTL (``lookup``) or renders the answer's JSON as the server does (``find`` + JSO
 :class:`~kvsp.services.index_client.IndexClient` (the answer decoded and checked as records) and
 as raw bytes (server + transfer only). The load runs in two threads while (a) builds, since the
 server's decoding on the other core is the long pole.
+(c) Redis (issue 8), once (a) and (b) are done: a ``redis-server`` of its own (or
+``--redis-url``) loaded with the same records through ``publish_batch`` over
+:class:`~kvsp.stores.redis.RedisStore` (pipelined script calls, 2 batches in flight; the load
+time is printed), then the same lookups in-process and over HTTP against a ``kvsp serve index
+--store redis://…`` process that starts on the loaded Redis. Before that, the record forms the
+Redis store could keep are measured side by side: canonical JSON and the compact form it uses.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import hashlib
+import itertools
+import json
 import os
 import random
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -35,10 +47,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
+import redis
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.index import IndexService
@@ -50,6 +63,9 @@ from kvsp.services.index_client import IndexClient
 from kvsp.services.testing import start_process
 from kvsp.stores.base import holder_id_of
 from kvsp.stores.memory import MemoryStore
+
+if TYPE_CHECKING:
+    from kvsp.stores.redis import RedisStore
 
 TOKEN = "bench-admin-token-0123456789abcdef"
 SCOPE = bytes(range(16))
@@ -236,7 +252,7 @@ class Result:
         rate = len(s) / sum(s)
         size = f"{self.answer_bytes / 1e6:8.2f}" if self.answer_bytes else "       -"
         return (
-            f"{self.name:<40} {len(s):>5} {rate:>10.1f} {p50:>9.2f} {p99:>9.2f} {size} "
+            f"{self.name:<58} {len(s):>5} {rate:>10.1f} {p50:>9.2f} {p99:>9.2f} {size} "
             f"{self.matched:>8.0f}"
         )
 
@@ -294,6 +310,7 @@ async def in_process(
     full: list[LookupRequest],
     compact: list[LookupRequest],
     bare: list[LookupRequest],
+    label: str = "in-process",
 ) -> list[Result]:
     index, caller, now = built.index, built.caller, built.now_ms
 
@@ -302,10 +319,10 @@ async def in_process(
         return orjson.dumps(result.to_json(now))
 
     return [
-        await timed("in-process full (records)", full, lambda r: index.lookup(caller, r, now)),
-        await timed("in-process full (JSON rendered)", full, render),
-        await timed("in-process compact (JSON rendered)", compact, render),
-        await timed("in-process compact, no targets", bare, render),
+        await timed(f"{label} full (records)", full, lambda r: index.lookup(caller, r, now)),
+        await timed(f"{label} full (JSON rendered)", full, render),
+        await timed(f"{label} compact (JSON rendered)", compact, render),
+        await timed(f"{label} compact, no targets", bare, render),
     ]
 
 
@@ -314,6 +331,7 @@ async def over_http(
     full: list[LookupRequest],
     compact: list[LookupRequest],
     bare: list[LookupRequest],
+    label: str = "HTTP",
 ) -> list[Result]:
     headers = {"authorization": f"Bearer {TOKEN}", "content-type": "application/kvsp+json"}
     async with (
@@ -327,12 +345,127 @@ async def over_http(
             return response.content
 
         return [
-            await timed("HTTP full (IndexClient, decoded)", full, client.lookup),
-            await timed("HTTP full (raw bytes)", full, raw_lookup),
-            await timed("HTTP compact (IndexClient)", compact, client.lookup),
-            await timed("HTTP compact (raw bytes)", compact, raw_lookup),
-            await timed("HTTP compact, no targets (raw bytes)", bare, raw_lookup),
+            await timed(f"{label} full (IndexClient, decoded)", full, client.lookup),
+            await timed(f"{label} full (raw bytes)", full, raw_lookup),
+            await timed(f"{label} compact (IndexClient)", compact, client.lookup),
+            await timed(f"{label} compact (raw bytes)", compact, raw_lookup),
+            await timed(f"{label} compact, no targets (raw bytes)", bare, raw_lookup),
         ]
+
+
+# --- (c) Redis ---------------------------------------------------------------------------------
+
+
+def record_forms(data: Dataset, count: int = 2000) -> None:
+    """Print the size and encode/decode rates of the record forms the Redis store could keep."""
+    from kvsp.records import loads
+    from kvsp.stores.redis import decode_record, encode_record
+
+    records = list(itertools.islice(replica_records(data), count))
+    rows = []
+    forms: list[tuple[str, Callable[[ReplicaRecord], bytes], Callable[[bytes, Any], Any]]] = [
+        ("canonical JSON", dumps, lambda b, r: ReplicaRecord.from_json(loads(b))),
+        ("compact (stored)", encode_record, lambda b, r: decode_record(b, 0, *_ids(r))),
+    ]
+    for name, encode, decode in forms:
+        start = time.perf_counter()
+        blobs = [encode(r) for r in records]
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        decoded = [decode(b, r) for b, r in zip(blobs, records, strict=True)]
+        decode_s = time.perf_counter() - start
+        if decoded != records:
+            raise SystemExit(f"{name} does not round-trip")
+        size = statistics.mean(map(len, blobs))
+        rows.append((name, size, count / encode_s, count / decode_s))
+    print(f"record forms ({data.layers} layers): " + "; ".join(
+        f"{n} {size:,.0f} B, encode {enc / 1e3:,.0f} k/s, decode {dec / 1e3:,.0f} k/s"
+        for n, size, enc, dec in rows
+    ), flush=True)  # fmt: skip
+
+
+def _ids(record: ReplicaRecord) -> tuple[bytes, bytes, bytes]:
+    return record.block_key, record.compat_id, record.scope_id
+
+
+def start_redis(folder: Path) -> tuple[subprocess.Popen[bytes], str] | None:
+    """A ``redis-server`` on a free loopback port, without persistence (``None``: there is
+    no ``redis-server`` to start)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        return None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([*argv, "--dir", str(folder)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0?prefix=bench"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("redis-server did not answer within 15 s")
+
+
+async def build_redis(data: Dataset, store: RedisStore) -> InProcess:
+    """Publish every record through ``publish_batch`` over a :class:`RedisStore`, 10,000 at a
+    time with two batches in flight, and two statuses."""
+    await store.drop_all()
+    index = IndexService(
+        store, max_ttl_ms=TTL_MS, descriptors={data.compat: descriptor(data.layers)}
+    )
+    caller = PrincipalCaller(Principal(name="bench", roles=frozenset({"admin"}), scopes=None))
+    now = int(time.time() * 1000)
+    records = replica_records(data)
+    start = time.perf_counter()
+
+    async def loader() -> None:
+        while chunk := list(itertools.islice(records, 10_000)):
+            await index.publish_batch(caller, chunk, now)
+
+    await asyncio.gather(loader(), loader())
+    for instance in INSTANCES:
+        await index.put_status(caller, holder_id_of(instance), status(instance), now)
+    return InProcess(index, caller, now, time.perf_counter() - start, await store.count())
+
+
+async def redis_in_process(
+    data: Dataset,
+    url: str,
+    full: list[LookupRequest],
+    compact: list[LookupRequest],
+    bare: list[LookupRequest],
+) -> tuple[InProcess, list[Result]]:
+    from kvsp.stores.redis import RedisStore, parse_store_url
+
+    store = RedisStore.from_url(url)
+    built = await build_redis(data, store)
+    with redis.Redis.from_url(parse_store_url(url)[0]) as client:
+        memory = client.info("memory")
+    print(
+        f"(c) Redis load: {built.count:,} records in {built.build_s:.1f} s "
+        f"({built.count / built.build_s:,.0f}/s, publish_batch of 10,000, 2 in flight, "
+        f"pipelined); Redis used_memory {memory['used_memory'] / 2**20:,.0f} MiB",
+        flush=True,
+    )
+    cold = RedisStore(store.url, prefix=store.prefix, cache_records=0)
+    uncached = dataclasses.replace(
+        built,
+        index=IndexService(cold, max_ttl_ms=TTL_MS, descriptors=built.index.descriptors),
+    )
+    try:
+        results = await in_process(built, full, compact, bare, label="Redis in-process")
+        label = "Redis in-process, no record cache"
+        results += await in_process(uncached, full[:10], compact[:20], bare[:20], label)
+        return built, results
+    finally:
+        await store.aclose()
+        await cold.aclose()
 
 
 def load_over_http(base_url: str, bodies: Iterator[bytes], threads: int) -> tuple[float, int]:
@@ -385,6 +518,44 @@ def rss_mib(pid: int | str = "self") -> float:
     return float("nan")
 
 
+def redis_half(
+    args: argparse.Namespace,
+    data: Dataset,
+    folder: Path,
+    full: list[LookupRequest],
+    compact: list[LookupRequest],
+    bare: list[LookupRequest],
+) -> list[Result]:
+    """(c): the record forms, the Redis load, and the lookups in-process and over HTTP."""
+    record_forms(data)
+    redis_proc = None
+    url = args.redis_url
+    if url is None:
+        started = start_redis(folder)
+        if started is None:
+            print("(c) Redis column skipped: no redis-server on PATH (or pass --redis-url)")
+            return []
+        redis_proc, url = started
+    try:
+        _, results = asyncio.run(redis_in_process(data, url, full, compact, bare))
+        if not args.no_http:
+            argv = [
+                sys.executable, "-m", "kvsp", "serve", "index", "--listen", "127.0.0.1:0",
+                "--state", str(folder / "state-redis"), "--principals",
+                str(folder / "principals.toml"), "--descriptor", str(folder / "descriptor.json"),
+                "--max-ttl-ms", str(TTL_MS), "--store", url,
+            ]  # fmt: skip
+            (folder / "redis-is").mkdir()
+            with start_process(argv, workdir=folder / "redis-is") as server:
+                label = "Redis HTTP"
+                results += asyncio.run(over_http(server.base_url, full, compact, bare, label))
+        return results
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=1_000_000)
@@ -395,6 +566,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP half")
+    parser.add_argument("--no-redis", action="store_true", help="skip the Redis column")
+    parser.add_argument("--redis-url", metavar="URL", help="use this Redis (keys under bench:)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
 
     t0 = time.perf_counter()
@@ -461,15 +635,23 @@ def main() -> None:
         finally:
             if server is not None:
                 server.stop()
+        if not args.no_redis:
+            del built  # the in-memory store's records: out of the Redis half's way
+            gc.collect()
+            results += redis_half(args, data, folder, full, compact, bare)
     print()
     print(
         f"lookups of {args.prompt_keys}-key prompts (all keys match), 2 targets with status "
         "unless said, 1 in flight"
     )
-    print(f"{'variant':<40} {'n':>5} {'lookups/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'MB':>8} "
+    print(f"{'variant':<58} {'n':>5} {'lookups/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'MB':>8} "
           f"{'matched':>8}")  # fmt: skip
     for result in results:
         print(result.row())
+    if args.json is not None:  # every lookup's seconds, for bench/report.py's latency CDF
+        rows = [vars(r) for r in results]
+        doc = {"records": data.records, "prompt_keys": args.prompt_keys, "results": rows}
+        args.json.write_text(json.dumps(doc), encoding="utf-8")
     load_avg = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"total {time.perf_counter() - t0:.0f} s; load average at end: {load_avg}")
 

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Hypothesis profiles: "ci" (derandomized, so a CI run tries the same examples every time; the
+# default when $CI is set) and "dev" (random, as hypothesis is by default). Choose with
+# HYPOTHESIS_PROFILE=ci|dev; tests keep their own max_examples either way.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+)
 
 
 def shared_dir() -> Path:
@@ -28,3 +44,86 @@ def shared() -> Path:
 def vectors_dir() -> Path:
     """The project's interop vectors (``interop/vectors``)."""
     return REPO / "interop" / "vectors"
+
+
+# --- Redis (kvsp.stores.redis) ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _start_redis(exe: str, folder: Path) -> tuple[subprocess.Popen[bytes], int] | str:
+    """A redis-server answering on a free loopback port, or why none would start."""
+    why = ""
+    for attempt in range(3):  # a port taken between choosing and binding: try another
+        port = _free_port()
+        log = folder / f"redis-{attempt}.log"
+        argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
+        argv += ["no", "--dir", str(folder), "--logfile", str(log)]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15.0
+        while proc.poll() is None and time.monotonic() < deadline:
+            if _redis_answers(port):
+                return proc, port
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        tail = log.read_text(errors="replace")[-600:] if log.exists() else ""
+        why = f"{exe} exited with status {proc.returncode}: {tail.strip()}"
+    return why
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis URL (``redis://127.0.0.1:PORT/0``) for the tests that need one:
+    ``$KVSP_REDIS_URL`` when set, else a ``redis-server`` started on a free loopback port
+    without persistence and stopped at the end. Skips, saying why, only when none can start."""
+    url = os.environ.get("KVSP_REDIS_URL")
+    if url:
+        yield url
+        return
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (.ci/run installs the redis-server package)")
+    started = _start_redis(exe, tmp_path_factory.mktemp("redis"))
+    if isinstance(started, str):
+        pytest.skip(f"redis-server could not start: {started}")
+    proc, port = started
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> Iterator[str]:
+    """``redis_server`` with a key prefix of this test's own (``?prefix=…``); its keys are
+    deleted afterwards, so tests never see each other's records."""
+    redis = pytest.importorskip("redis")
+    prefix = f"test-{secrets.token_hex(6)}"
+    yield f"{redis_server}{'&' if '?' in redis_server else '?'}prefix={prefix}"
+    client = redis.Redis.from_url(redis_server)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.unlink(*keys)
+    finally:
+        client.close()

@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from kvsp.errors import KVSPError
 from kvsp.ids import uri_id
 from kvsp.records import InstanceStatusRecord, ReplicaRecord
 
 StoredReplica = tuple[ReplicaRecord, int]
 """A stored record with its absolute expiry time in milliseconds."""
+
+
+class StoreUnavailable(KVSPError):
+    """A shared store (Redis) is unreachable or failed (503 ``kvsp-store-unavailable``): the
+    service's trouble, never the client's."""
+
+    problem = "kvsp-store-unavailable"
+    status = 503
+    title = "Store unavailable"
 
 
 @functools.lru_cache(maxsize=65536)
@@ -75,4 +85,19 @@ class ReplicaStore(Protocol):
 
     async def statuses(self, instances: Sequence[str], now_ms: int) -> list[InstanceStatusRecord]:
         """The live status records of those of ``instances`` that have one, in that order."""
+        ...
+
+
+HolderCensus = tuple[str, int, int]
+"""One holder's share of the live records: its URI, how many records, their total ``size``."""
+
+
+@runtime_checkable
+class ReplicaCensus(Protocol):
+    """A store that can count its live records per holder, for operators (``GET replicas``
+    at the IS, ``kvsp status``). Optional: the IS offers the route only over a store that
+    has it."""
+
+    async def holders(self, now_ms: int) -> list[HolderCensus]:
+        """Every holder with a live record: ``(holder, records, octets)``, by holder URI."""
         ...

@@ -23,7 +23,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from kvsp.records import InstanceStatusRecord, ReplicaRecord
-from kvsp.stores.base import StoredReplica, holder_id_of
+from kvsp.stores.base import HolderCensus, StoredReplica, holder_id_of
 
 _Holders = dict[bytes, StoredReplica]
 _Group = dict[bytes, _Holders]
@@ -156,6 +156,18 @@ class MemoryStore:
     async def count(self) -> int:
         """How many replica records are stored."""
         return self._count
+
+    async def holders(self, now_ms: int) -> list[HolderCensus]:
+        """Live records and octets per holder (:class:`~kvsp.stores.base.ReplicaCensus`): one
+        pass over every record, so an operator's call, not one for each request."""
+        tally: dict[str, tuple[int, int]] = {}
+        for group in self._groups.values():
+            for holders in group.values():
+                for record, expires in holders.values():
+                    if expires > now_ms:
+                        count, octets = tally.get(record.holder, (0, 0))
+                        tally[record.holder] = (count + 1, octets + record.size)
+        return [(holder, *tally[holder]) for holder in sorted(tally)]
 
     def pending_expiries(self) -> int:
         """How many expiry entries (live and stale) wait in the heap; for tests and metrics."""

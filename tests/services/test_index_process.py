@@ -1,12 +1,15 @@
 """The Index Service as a real process (``kvsp serve index`` / ``kvsp serve control`` on
 127.0.0.1), driven with IndexClient: publish → lookup → withdraw, scope isolation, forged
-holders, expiry on the wall clock, the mismatch hint, estimates, batches, descriptors."""
+holders, expiry on the wall clock, the mismatch hint, estimates, batches, descriptors. Every
+test runs twice: over the in-memory store and over Redis (``--store redis://…``)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import replace
@@ -128,7 +131,28 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def serve_argv(service: str, state: Path) -> list[str]:
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``--store`` for the module's servers: ``memory``, or a Redis URL with a key prefix of
+    the module's own (its keys deleted afterwards)."""
+    if request.param == "memory":
+        yield "memory"
+        return
+    redis = pytest.importorskip("redis")
+    server: str = request.getfixturevalue("redis_server")
+    prefix = f"test-{secrets.token_hex(6)}"
+    yield f"{server}?prefix={prefix}"
+    client = redis.Redis.from_url(server)
+    try:
+        for pattern in (f"{prefix}:*", f"{prefix}-control:*"):
+            keys = list(client.scan_iter(match=pattern, count=1000))
+            if keys:
+                client.unlink(*keys)
+    finally:
+        client.close()
+
+
+def serve_argv(service: str, state: Path, store: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -147,14 +171,15 @@ def serve_argv(service: str, state: Path) -> list[str]:
         "120000",
         "--body-limit",
         str(1 << 20),
+        "--store",
+        store,
     ]
 
 
 @pytest.fixture(scope="module")
-def server(state_dir: Path) -> Iterator[RunningService]:
-    workdir = state_dir / "index-run"
-    workdir.mkdir()
-    with start_process(serve_argv("index", state_dir), workdir=workdir) as running:
+def server(state_dir: Path, store: str) -> Iterator[RunningService]:
+    workdir = Path(tempfile.mkdtemp(prefix="index-run-", dir=state_dir))
+    with start_process(serve_argv("index", state_dir, store), workdir=workdir) as running:
         yield running
 
 
@@ -293,17 +318,17 @@ def test_bad_input_over_the_wire(server: RunningService) -> None:
 
 
 def test_control_serves_the_same_index_and_persisted_descriptors(
-    server: RunningService, state_dir: Path
+    server: RunningService, state_dir: Path, store: str
 ) -> None:
     async def register() -> None:
         async with client(server, "h1") as h1:
             assert await h1.put_descriptor(DRIFTED_DESCRIPTOR) == DRIFTED
 
     run(register())
-    workdir = state_dir / "control-run"
-    workdir.mkdir()
+    workdir = Path(tempfile.mkdtemp(prefix="control-run-", dir=state_dir))
     started = time.monotonic()
-    with start_process(serve_argv("control", state_dir), workdir=workdir) as control:
+    fresh = store if store == "memory" else store + "-control"  # another key prefix
+    with start_process(serve_argv("control", state_dir, fresh), workdir=workdir) as control:
 
         async def scenario() -> None:
             async with client(control, "ca") as ca:

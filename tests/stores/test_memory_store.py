@@ -1,16 +1,20 @@
-"""The in-memory replica store (kvsp.stores.memory): prefix lookup stops at the first miss,
-expiry is exact on the caller's clock, sweeping is bounded, refreshes move expiry, §6.3 epochs."""
+"""The replica stores (kvsp.stores.memory and kvsp.stores.redis, each test run on both): prefix
+lookup stops at the first miss, expiry is exact on the caller's clock, sweeping is bounded,
+refreshes move expiry, §6.3 epochs; then what is particular to the in-memory store."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import replace
 from typing import Any, TypeVar
 
+import pytest
+
 from kvsp.ids import BlockKey, CompatId, ScopeId
-from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord
-from kvsp.registries import InstanceState
+from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord, Residency
+from kvsp.registries import InstanceState, Tier
 from kvsp.stores.base import ReplicaStore, holder_id_of
 from kvsp.stores.memory import MemoryStore
 
@@ -22,8 +26,29 @@ H1 = "https://h1.example/kvsp/"
 H2 = "https://h2.example/kvsp/"
 
 
+Run = Callable[[Coroutine[Any, Any, T]], T]
+Stores = tuple[ReplicaStore, Run[Any]]
+
+
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def stores(request: pytest.FixtureRequest) -> Iterator[Stores]:
+    """A fresh store of each kind, and how to run its coroutines: on one event loop for the
+    whole test, since a Redis store's connections belong to the loop that opened them."""
+    with asyncio.Runner() as runner:
+        if request.param == "memory":
+            yield MemoryStore(), runner.run
+            return
+        from kvsp.stores.redis import RedisStore
+
+        store = RedisStore.from_url(request.getfixturevalue("redis_url"))
+        try:
+            yield store, runner.run
+        finally:
+            runner.run(store.aclose())
 
 
 def key(i: int) -> BlockKey:
@@ -71,8 +96,10 @@ def test_memory_store_is_a_replica_store() -> None:
     assert run(store.count()) == 0
 
 
-def test_lookup_stops_at_first_key_without_a_replica() -> None:
-    store = MemoryStore()
+def test_lookup_stops_at_first_key_without_a_replica(
+    stores: Stores,
+) -> None:
+    store, run = stores
     run(store.put_many([(record(i), 100) for i in (0, 1, 3)]))
     found = run(store.lookup(COMPAT, SCOPE, keys(0, 1, 2, 3), now_ms=0))
     assert [[r.block_key for r, _ in f] for f in found] == [[key(0)], [key(1)]]
@@ -80,8 +107,10 @@ def test_lookup_stops_at_first_key_without_a_replica() -> None:
     assert run(store.lookup(OTHER_COMPAT, SCOPE, keys(0), now_ms=0)) == []
 
 
-def test_lookup_returns_every_live_holder_and_skips_expired_ones() -> None:
-    store = MemoryStore()
+def test_lookup_returns_every_live_holder_and_skips_expired_ones(
+    stores: Stores,
+) -> None:
+    store, run = stores
     run(store.put(record(0, H1), 100))
     run(store.put(record(0, H2), 200))
     run(store.put(record(1, H1), 100))
@@ -92,8 +121,10 @@ def test_lookup_returns_every_live_holder_and_skips_expired_ones() -> None:
     assert [[(r.holder, e) for r, e in f] for f in later] == [[(H2, 200)]]
 
 
-def test_expired_records_are_never_returned_before_a_sweep() -> None:
-    store = MemoryStore()
+def test_expired_records_are_never_returned_before_a_sweep(
+    stores: Stores,
+) -> None:
+    store, run = stores
     run(store.put(record(0), 50))
     assert run(store.lookup(COMPAT, SCOPE, keys(0), now_ms=50)) == []
     assert run(store.compats_with_key(SCOPE, key(0), now_ms=50)) == set()
@@ -101,7 +132,64 @@ def test_expired_records_are_never_returned_before_a_sweep() -> None:
     assert run(store.count()) == 1  # not swept yet, but invisible
 
 
-def test_refresh_moves_expiry_and_leaves_a_stale_heap_entry_behind() -> None:
+def test_refresh_moves_expiry(stores: Stores) -> None:
+    store, run = stores
+    run(store.put(record(0), 100))
+    run(store.put(record(0), 300))  # refresh: same key and holder
+    assert run(store.count()) == 1
+    assert run(store.sweep(now_ms=150, max_items=10)) == 0
+    assert [[e for _, e in f] for f in run(store.lookup(COMPAT, SCOPE, keys(0), 150))] == [[300]]
+    assert run(store.sweep(now_ms=300, max_items=10)) == 1
+    assert run(store.count()) == 0
+    assert run(store.lookup(COMPAT, SCOPE, keys(0), 0)) == []
+
+
+def test_records_round_trip_with_every_member(stores: Stores) -> None:
+    store, run = stores
+    full = replace(
+        record(0, holder="moqt://relay.example:4443/kvsp"),
+        layer_digests=tuple(hashlib.sha256(b"%d" % n).digest() for n in range(3)),
+        residency=(
+            Residency(tier=Tier.DEVICE, first=0, last=0),
+            Residency(tier=Tier.DISK, first=1, last=2, read_mbit_per_s=1234.5),
+        ),
+        moqt_namespace=b"\x04kvsp\x011",
+        lease_base="https://relay.example/kvsp/",
+        ttl_ms=2**40,
+        size=2**63,
+        codec=0xFFFF,
+    )
+    bare = record(1, holder=H2)
+    run(store.put_many([(full, 10**12), (bare, 10**12 + 1)]))
+    found = run(store.lookup(COMPAT, SCOPE, keys(0, 1), now_ms=0))
+    assert found == [[(full, 10**12)], [(bare, 10**12 + 1)]]
+
+
+def test_scopes_and_compat_ids_are_kept_apart(stores: Stores) -> None:
+    store, run = stores
+    other_scope = ScopeId(b"\x0b" * 16)
+    run(store.put(record(0, scope=other_scope), 100))
+    run(store.put(record(1, compat=OTHER_COMPAT), 100))
+    assert run(store.lookup(COMPAT, SCOPE, keys(0), 0)) == []
+    assert len(run(store.lookup(COMPAT, other_scope, keys(0), 0))) == 1
+    assert run(store.lookup(COMPAT, SCOPE, keys(1), 0)) == []
+    assert run(store.compats_in_scope(other_scope, 0)) == {COMPAT}
+    assert not run(store.delete(COMPAT, SCOPE, key(0), holder_id_of(H1)))
+    assert run(store.count()) == 2
+    assert run(store.sweep(now_ms=100, max_items=10)) == 2
+    assert run(store.count()) == 0
+
+
+def test_lookup_of_no_keys_and_of_many(stores: Stores) -> None:
+    store, run = stores
+    run(store.put_many([(record(i), 100) for i in range(1500)]))
+    assert run(store.lookup(COMPAT, SCOPE, [], now_ms=0)) == []
+    found = run(store.lookup(COMPAT, SCOPE, keys(*range(1501)), now_ms=0))
+    assert [f[0][0].block_key for f in found] == keys(*range(1500))
+    assert run(store.count()) == 1500
+
+
+def test_refresh_leaves_a_stale_heap_entry_behind() -> None:
     store = MemoryStore()
     run(store.put(record(0), 100))
     run(store.put(record(0), 300))  # refresh: same key and holder
@@ -115,8 +203,10 @@ def test_refresh_moves_expiry_and_leaves_a_stale_heap_entry_behind() -> None:
     assert store.pending_expiries() == 0
 
 
-def test_refresh_to_an_earlier_expiry_takes_effect() -> None:
-    store = MemoryStore()
+def test_refresh_to_an_earlier_expiry_takes_effect(
+    stores: Stores,
+) -> None:
+    store, run = stores
     run(store.put(record(0), 300))
     run(store.put(record(0), 100))
     assert run(store.lookup(COMPAT, SCOPE, keys(0), now_ms=100)) == []
@@ -124,8 +214,8 @@ def test_refresh_to_an_earlier_expiry_takes_effect() -> None:
     assert run(store.sweep(now_ms=300, max_items=10)) == 0  # the older entry is stale
 
 
-def test_sweep_is_bounded_per_call() -> None:
-    store = MemoryStore()
+def test_sweep_is_bounded_per_call(stores: Stores) -> None:
+    store, run = stores
     run(store.put_many([(record(i), 10 + i) for i in range(100)]))
     assert run(store.sweep(now_ms=1000, max_items=30)) == 30
     assert run(store.count()) == 70
@@ -136,8 +226,10 @@ def test_sweep_is_bounded_per_call() -> None:
     assert run(store.lookup(COMPAT, SCOPE, keys(70), now_ms=0))[0][0][1] == 80
 
 
-def test_delete_removes_one_holder_and_prunes_empty_groups() -> None:
-    store = MemoryStore()
+def test_delete_removes_one_holder_and_prunes_empty_groups(
+    stores: Stores,
+) -> None:
+    store, run = stores
     run(store.put(record(0, H1), 100))
     run(store.put(record(0, H2), 100))
     assert run(store.delete(COMPAT, SCOPE, key(0), holder_id_of(H1)))
@@ -148,11 +240,11 @@ def test_delete_removes_one_holder_and_prunes_empty_groups() -> None:
     assert run(store.delete(COMPAT, SCOPE, key(0), holder_id_of(H2)))
     assert run(store.count()) == 0
     assert run(store.compats_in_scope(SCOPE, now_ms=0)) == set()
-    assert run(store.sweep(now_ms=100, max_items=10)) == 0  # both heap entries are stale
+    assert run(store.sweep(now_ms=100, max_items=10)) == 0  # nothing left to expire
 
 
-def test_compat_ids_by_key_and_by_scope() -> None:
-    store = MemoryStore()
+def test_compat_ids_by_key_and_by_scope(stores: Stores) -> None:
+    store, run = stores
     run(store.put(record(0, compat=COMPAT), 100))
     run(store.put(record(0, compat=OTHER_COMPAT), 200))
     run(store.put(record(1, compat=OTHER_COMPAT), 100))
@@ -164,8 +256,8 @@ def test_compat_ids_by_key_and_by_scope() -> None:
     assert run(store.compats_in_scope(ScopeId(b"\x0b" * 16), 0)) == set()
 
 
-def test_status_epochs_never_go_back() -> None:
-    store = MemoryStore()
+def test_status_epochs_never_go_back(stores: Stores) -> None:
+    store, run = stores
     assert run(store.put_status(status(5), 1000))
     assert run(store.put_status(status(5), 2000))  # same epoch: a refresh
     assert not run(store.put_status(status(4), 9000))  # §6.3: lower epoch discarded
@@ -177,8 +269,10 @@ def test_status_epochs_never_go_back() -> None:
     assert not run(store.put_status(status(5), 9000))
 
 
-def test_statuses_keep_the_order_asked_and_skip_unknown_instances() -> None:
-    store = MemoryStore()
+def test_statuses_keep_the_order_asked_and_skip_unknown_instances(
+    stores: Stores,
+) -> None:
+    store, run = stores
     a, b = "https://a.example/", "https://b.example/"
     run(store.put_status(status(1, a), 100))
     run(store.put_status(status(1, b), 100))

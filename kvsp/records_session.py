@@ -5,6 +5,12 @@ instance labels new tokens from ``output_offset`` on, while it needs every gener
 rebuild the context and the keys of generated blocks. ``generated`` therefore lists all output
 tokens so far and a checkpoint must have ``output_offset == len(generated)``: fewer would
 relabel listed tokens, more would leave a gap.
+
+Two extension members of ours ride on the checkpoint (§4.4: unknown members are ignored, so
+other implementations are unaffected): ``instance``, the base URI of the instance that took the
+checkpoint, which the PC checks against the instance serving the session at that epoch, and
+``max_tokens``, the number of output tokens the session asked for, which a resumed instance
+needs to know where to stop and the PC to know when the session is done.
 """
 
 from __future__ import annotations
@@ -17,7 +23,15 @@ from typing import Any, Self
 from kvsp.errors import RecordError
 from kvsp.fields import Fields
 from kvsp.ids import BlockKey, CompatId, ScopeId
-from kvsp.records_common import UINT32_MAX, hex_list, read_block_keys, read_uint32_list, read_uuid
+from kvsp.records_common import (
+    HTTP_SCHEMES,
+    UINT32_MAX,
+    hex_list,
+    read_block_keys,
+    read_uint32_list,
+    read_uri,
+    read_uuid,
+)
 
 _METHOD = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 
@@ -70,8 +84,8 @@ class Sampler:
         if _METHOD.fullmatch(method) is None:
             raise RecordError("expected a lowercase method name", path=f.at("method"))
         params = f.nested("params", optional=True)
-        if params is not None:
-            _check_params(method, params)
+        # absent params read as {}, so they must pass the same checks as the {} written back
+        _check_params(method, params if params is not None else Fields({}, f.at("params")))
         return cls(
             method=method,
             params={} if params is None else dict(params.obj),
@@ -97,7 +111,8 @@ class SessionCheckpoint:
 
     ``session`` is an RFC 9562 UUID (read in either case, written lowercase); ``prompt_tail``
     and ``generated`` are uint32 tokens; ``output_offset`` equals ``len(generated)`` (see the
-    module docstring).
+    module docstring). ``instance`` and ``max_tokens`` are our optional extension members
+    (``max_tokens`` ≥ ``output_offset``), written only when set.
     """
 
     session: uuid.UUID
@@ -109,14 +124,16 @@ class SessionCheckpoint:
     generated: tuple[int, ...]
     output_offset: int
     sampler: Sampler
+    instance: str | None = None
+    max_tokens: int | None = None
 
     @classmethod
     def from_json(cls, obj: object, path: str = "$") -> Self:
         """Read a checkpoint.
 
         Raises:
-            RecordError: a bad or missing member, or ``output_offset`` other than the number of
-                generated tokens.
+            RecordError: a bad or missing member, ``output_offset`` other than the number of
+                generated tokens, or ``max_tokens`` below it.
         """
         f = Fields(obj, path)
         generated = read_uint32_list(f.raw("generated"), f.at("generated"))
@@ -126,6 +143,10 @@ class SessionCheckpoint:
                 f"must equal the number of generated tokens ({len(generated)})",
                 path=f.at("output_offset"),
             )
+        max_tokens = f.integer("max_tokens", optional=True, maximum=UINT32_MAX)
+        if max_tokens is not None and max_tokens < offset:
+            raise RecordError(f"must be at least output_offset ({offset})", path=f.at("max_tokens"))
+        instance = f.raw("instance", optional=True)
         return cls(
             session=read_uuid(f.raw("session"), f.at("session")),
             epoch=f.integer("epoch"),
@@ -136,11 +157,15 @@ class SessionCheckpoint:
             generated=generated,
             output_offset=offset,
             sampler=Sampler.from_json(f.raw("sampler"), f.at("sampler")),
+            instance=None
+            if instance is None
+            else read_uri(instance, f.at("instance"), HTTP_SCHEMES),
+            max_tokens=max_tokens,
         )
 
     def to_json(self) -> dict[str, Any]:
         """Render as JSON."""
-        return {
+        out: dict[str, Any] = {
             "session": str(self.session),
             "epoch": self.epoch,
             "compat_id": self.compat_id.hex(),
@@ -151,6 +176,11 @@ class SessionCheckpoint:
             "output_offset": self.output_offset,
             "sampler": self.sampler.to_json(),
         }
+        if self.instance is not None:
+            out["instance"] = self.instance
+        if self.max_tokens is not None:
+            out["max_tokens"] = self.max_tokens
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -37,6 +37,8 @@ from kvsp.errors import BadRequest, KVSPError, LayersUnavailable
 from kvsp.ids import CompatId
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+UNKNOWN_TOKEN = -1
+"""Stands for a token of a loaded block whose id is not known (:meth:`Engine.adopt_pages`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,20 @@ class Engine:
     def new_sequence(self) -> KVSequence:
         """An empty sequence (no pages yet)."""
         return KVSequence()
+
+    def adopt_pages(self, seq: KVSequence, pages: Sequence[int]) -> None:
+        """Make ``pages`` (each a whole loaded block) the first blocks of the empty ``seq``
+        without computing anything. Their tokens are known only by their Block Keys (§6.8
+        resume), so the sequence records :data:`UNKNOWN_TOKEN` for them; only its length is
+        ever read.
+
+        Raises:
+            BadRequest: ``seq`` is not empty.
+        """
+        if seq.length or seq.pages:
+            raise BadRequest("loaded pages go into an empty sequence")
+        seq.pages.extend(pages)
+        seq.tokens.extend([UNKNOWN_TOKEN] * (len(pages) * self.block_tokens))
 
     def free(self, seq: KVSequence) -> None:
         """Release the sequence's pages (waiting for loads still writing into them)."""

@@ -10,17 +10,104 @@ Engines run their compute off the event loop (a worker thread standing in for th
 so that transfers and verification interleave with generation (§6.5: prefetch MUST NOT block
 requests already admitted). Two implementations: :mod:`kvsp.services.toy_engine` (CPU,
 deterministic, for tests and the default) and the torch reference engine behind an adapter.
+
+Sessions (§6.8) need three more things of an engine: a :class:`Sampling` whose draw at step s is
+a pure function of (seed, s), so a sampler restored at ``step`` continues the same sample;
+:meth:`EngineSequence.block` to export a block of generated tokens once its KV is complete;
+and :meth:`InferenceEngine.resume`, which takes loaded blocks whose tokens are known by their
+keys only, computes the rest of the prompt as a prefill and replays output tokens by decode
+steps, exactly as the run that produced them did.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+import hashlib
+import math
+import secrets
+import struct
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.container import Container
+from kvsp.errors import RecordError
 from kvsp.ids import BlockKey
+
+SAMPLER_LABEL = b"KVSP-SAMPLER-1\x00"
+"""``"KVSP-SAMPLER-1" || 0x00``, the prefix of each step's draw (as :mod:`kvsp.engine.sampler`)."""
+_STEP_INPUT = struct.Struct("!QQ")
+SAMPLING_METHODS: Mapping[str, frozenset[str]] = {
+    "greedy": frozenset(),
+    "temperature": frozenset({"temperature"}),
+    "top-k": frozenset({"k", "temperature"}),
+    "top-p": frozenset({"p", "temperature"}),
+}
+"""Method → the parameters it takes (the reference engine's sampler accepts these)."""
+_REQUIRED = {"temperature": "temperature", "top-k": "k", "top-p": "p"}
+_UINT64 = 2**64 - 1
+
+
+def step_draw(seed: int, step: int) -> bytes:
+    """The 32 octets of randomness of sampler step ``step``: a pure function of (seed, step)."""
+    return hashlib.sha256(SAMPLER_LABEL + _STEP_INPUT.pack(seed, step)).digest()
+
+
+def _check_param(key: str, value: float, path: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RecordError("expected a finite number", path=path)
+    if key == "k" and (value != int(value) or value < 1):
+        raise RecordError("k must be an integer >= 1", path=path)
+    if key == "p" and not 0 < value <= 1:
+        raise RecordError("p must be in (0, 1]", path=path)
+    if key == "temperature" and value <= 0:
+        raise RecordError("temperature must be > 0", path=path)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sampling:
+    """How a sequence picks its tokens: ``method`` with ``params`` and ``seed``.
+
+    With a seed, the choice at step s depends only on the logits (or state), the seed and s
+    (§6.8 "restores the sampler with the given method, parameters, seed, and step"). Without
+    one (``None``) the engine draws a private seed for each run, so a resumed run samples anew:
+    such a sampler is not deterministic.
+
+    Raises:
+        RecordError: an unknown method, a parameter it does not take or out of range, a missing
+            required one, or a seed outside 0..2^64-1.
+    """
+
+    method: str = "greedy"
+    params: Mapping[str, float] = field(default_factory=dict)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        allowed = SAMPLING_METHODS.get(self.method)
+        if allowed is None:
+            known = ", ".join(SAMPLING_METHODS)
+            raise RecordError(f"unknown method {self.method!r} ({known})", path="$.method")
+        for key, value in self.params.items():
+            if key not in allowed:
+                raise RecordError(f"{self.method} takes no such parameter", path=f"$.params.{key}")
+            _check_param(key, value, f"$.params.{key}")
+        needed = _REQUIRED.get(self.method)
+        if needed is not None and needed not in self.params:
+            raise RecordError(f"{self.method} needs {needed}", path=f"$.params.{needed}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed <= _UINT64):
+            raise RecordError("seed must be an integer in 0..2^64-1", path="$.seed")
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether the same state gives the same tokens again: greedy, or seeded."""
+        return self.method == "greedy" or self.seed is not None
+
+    def run_seed(self) -> int:
+        """The seed a run uses: the given one, else a fresh private one."""
+        return self.seed if self.seed is not None else secrets.randbits(63)
+
+
+GREEDY = Sampling()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +142,20 @@ class EngineSequence(Protocol):
         """The complete blocks of the prompt computed here, in order (after the loaded ones)."""
         ...
 
-    def tokens(self, max_tokens: int) -> AsyncIterator[int]:
-        """Generate up to ``max_tokens`` tokens, one decode step each."""
+    def tokens(
+        self, max_tokens: int, sampling: Sampling = GREEDY, step: int = 0
+    ) -> AsyncIterator[int]:
+        """Generate up to ``max_tokens`` tokens, one decode step each; the first is chosen at
+        sampler step ``step`` from the state the prefill (or resume) left."""
+        ...
+
+    async def block(self, index: int) -> bytes:
+        """Block ``index`` of the sequence (prompt or generated) as a KVB1 container with
+        every layer (§4.3), once its KV is complete.
+
+        Raises:
+            LayersUnavailable: the block is not complete yet.
+        """
         ...
 
     async def release(self) -> None:
@@ -83,6 +182,20 @@ class InferenceEngine(Protocol):
         Raises:
             BadRequest: an empty prompt, or more loaded blocks than the prompt has.
             Incompatible: a loaded container of another geometry or token count.
+            InsufficientStorage: no KV memory left for the sequence.
+        """
+        ...
+
+    async def resume(
+        self, loaded: Sequence[Container], prefill: Sequence[int], replay: Sequence[int]
+    ) -> EngineSequence:
+        """Rebuild a session's context (§6.8 steps 1-2): ``loaded`` as its first blocks (their
+        tokens unknown), then ``prefill`` computed as one prefill (the rest of the prompt),
+        then ``replay`` fed one decode step each (output tokens already delivered).
+
+        Raises:
+            BadRequest: nothing after the loaded blocks to compute.
+            Incompatible: a loaded container of another geometry.
             InsufficientStorage: no KV memory left for the sequence.
         """
         ...

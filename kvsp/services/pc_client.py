@@ -1,5 +1,5 @@
-"""A client of the Placement Controller (spec §6.3 status, §6.4 placement; DESIGN.md §3
-resource table): one method per resource of :mod:`kvsp.services.pc_app`.
+"""A client of the Placement Controller (spec §6.3 status, §6.4 placement, §6.8 sessions;
+DESIGN.md §3 resource table): one method per resource of :mod:`kvsp.services.pc_app`.
 
 Errors arrive as the :class:`~kvsp.errors.KVSPError` the PC raised (see
 :mod:`kvsp.services.client_base`): ``kvsp-stale-epoch`` as :class:`~kvsp.errors.StaleEpoch`,
@@ -9,14 +9,21 @@ transition as :class:`~kvsp.errors.Conflict`.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any, Self
 
 from kvsp.errors import RecordError
 from kvsp.fields import Fields
 from kvsp.ids import uri_id
-from kvsp.records import InstanceStatusRecord, PlaceRequest, PlaceResponse, StateAnswer
-from kvsp.records_common import HTTP_SCHEMES, read_uri
+from kvsp.records import (
+    InstanceStatusRecord,
+    PlaceRequest,
+    PlaceResponse,
+    SessionCheckpoint,
+    StateAnswer,
+)
+from kvsp.records_common import HTTP_SCHEMES, read_uri, read_uuid
 from kvsp.registries import InstanceState
 from kvsp.services.client_base import BaseClient, decode_answer
 
@@ -79,6 +86,41 @@ class InstanceListing:
         )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionView:
+    """Where a session lives now (``GET sessions/{session}``, §6.8), or what a checkpoint
+    PUT left: instance, epoch, state and the output tokens the PC holds a checkpoint for."""
+
+    session: uuid.UUID
+    instance: str | None
+    epoch: int
+    state: str
+    output_offset: int
+    max_tokens: int | None = None
+    detail: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: object, path: str = "$") -> Self:
+        """Read a session view (``instance`` is absent from a checkpoint's answer).
+
+        Raises:
+            RecordError: a bad or missing member.
+        """
+        f = Fields(obj, path)
+        instance = f.raw("instance", optional=True)
+        return cls(
+            session=read_uuid(f.raw("session"), f.at("session")),
+            instance=None
+            if instance is None
+            else read_uri(instance, f.at("instance"), HTTP_SCHEMES),
+            epoch=f.integer("epoch"),
+            state=f.string("state"),
+            output_offset=f.integer("output_offset"),
+            max_tokens=f.integer("max_tokens", optional=True),
+            detail=f.string("detail", optional=True),
+        )
+
+
 def _listing(obj: Any) -> list[InstanceListing]:
     return [InstanceListing.from_json(v, p) for v, p in Fields(obj).items("instances")]
 
@@ -134,3 +176,24 @@ class PCClient(BaseClient):
             body["lease_ms"] = lease_ms
         answer = await self._request_json("POST", "place", body)
         return decode_answer(PlaceResponse.from_json, answer)
+
+    async def put_checkpoint(self, checkpoint: SessionCheckpoint) -> SessionView:
+        """PUT a Session Checkpoint (§6.8); the answer carries the offset the PC keeps.
+
+        Raises:
+            StaleEpoch: the session moved on to a higher epoch.
+            KVSPError: as the PC answered otherwise (404 unknown session, 403, 409).
+        """
+        path = f"sessions/{checkpoint.session}/checkpoint"
+        answer = await self._request_json("PUT", path, checkpoint.to_json())
+        return decode_answer(SessionView.from_json, answer)
+
+    async def get_session(self, session: uuid.UUID) -> SessionView:
+        """GET where a session lives now (§6.8).
+
+        Raises:
+            NotFound: the PC has no such session.
+            KVSPError: as the PC answered otherwise.
+        """
+        answer = await self._request_json("GET", f"sessions/{session}")
+        return decode_answer(SessionView.from_json, answer)

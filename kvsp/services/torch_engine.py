@@ -4,8 +4,14 @@
 An adapter over :class:`kvsp.engine.engine.Engine`: loaded containers (verified by the agent
 against their Replica Records, §6.7) go into fresh KV pages, the engine computes the rest of
 the prompt with the loaded pages as its prefix, and the complete blocks it computed come back
-as KVB1 containers for the agent to publish (§4.3, §6.1). Generation is greedy. The rates in
-:meth:`TorchEngine.stats` are the engine's measured tokens per second and its KV pages in use.
+as KVB1 containers for the agent to publish (§4.3, §6.1). Tokens are chosen by
+:class:`kvsp.engine.sampler.Sampler` (greedy by default), whose draw at step s is a pure
+function of the seed and s, so a session resumed at ``output_offset`` (§6.8) continues the same
+sample: :meth:`TorchEngine.resume` loads the checkpoint's blocks, computes the rest of the
+prompt in the same position-aligned chunks as the original prefill and replays the output
+tokens by single decode steps, as the original run computed them, so on one machine the logits
+and the tokens are bit-identical. The rates in :meth:`TorchEngine.stats` are the engine's
+measured tokens per second and its KV pages in use.
 
 Threading mirrors the toy engine: one engine thread owns the model and the paged cache and
 runs, each round, one queued job (a prefill or a release) and then one decode step of every
@@ -32,7 +38,7 @@ from kvsp.container import Container, Geometry
 from kvsp.errors import BadRequest, Conflict, Incompatible
 from kvsp.ids import BlockKey
 from kvsp.registries import Codec
-from kvsp.services.engine_api import ComputedBlock, EngineStats
+from kvsp.services.engine_api import GREEDY, ComputedBlock, EngineStats, Sampling
 from kvsp.stores.blocks import InsufficientStorage
 
 if TYPE_CHECKING:
@@ -40,6 +46,7 @@ if TYPE_CHECKING:
 
     from kvsp.engine.engine import Engine
     from kvsp.engine.kvcache import KVSequence
+    from kvsp.engine.sampler import Sampler
 
 T = TypeVar("T")
 Outcome = int | BaseException | None
@@ -54,23 +61,29 @@ class TorchSequence:
         self.kv = seq
         self.loaded_blocks = loaded_blocks
         self.computed: list[ComputedBlock] = []
-        self.first_token = 0
+        self.logits: torch.Tensor | None = None
+        """The logits of the last token computed: the first token is chosen from them."""
         self.released = False
 
-    async def tokens(self, max_tokens: int) -> AsyncIterator[int]:
-        """Up to ``max_tokens`` greedy tokens; the engine thread decodes one per round.
+    async def tokens(
+        self, max_tokens: int, sampling: Sampling = GREEDY, step: int = 0
+    ) -> AsyncIterator[int]:
+        """Up to ``max_tokens`` tokens, the first at sampler step ``step``; the engine thread
+        chooses the first from the prefill's logits and decodes one more per round.
 
         Raises:
             InsufficientStorage: the KV cache filled up while decoding.
         """
         if max_tokens <= 0 or self.released:
             return
-        yield self.first_token  # from the prefill's logits
-        if max_tokens == 1:
-            return
+        from kvsp.engine.sampler import Sampler
+
+        sampler = Sampler(
+            method=sampling.method, params=dict(sampling.params), seed=sampling.run_seed()
+        )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Outcome] = asyncio.Queue()
-        decode = _Decode(self, self.first_token, max_tokens - 1, loop, queue.put_nowait)
+        decode = _Decode(self, sampler, step, max_tokens, loop, queue.put_nowait)
         self._engine.start_decode(decode)
         try:
             while (value := await queue.get()) is not None:
@@ -79,6 +92,18 @@ class TorchSequence:
                 yield value
         finally:
             decode.stopped = True
+
+    async def block(self, index: int) -> bytes:
+        """Block ``index`` (prompt or generated) as a KVB1 container, read on the engine
+        thread between decode rounds.
+
+        Raises:
+            LayersUnavailable: the block is not complete yet.
+        """
+        engine = self._engine.engine
+        return await asyncio.wrap_future(
+            self._engine.submit(engine.block_container, self.kv, index)
+        )
 
     async def release(self) -> None:
         """Free the sequence's pages on the engine thread (idempotent)."""
@@ -91,18 +116,22 @@ class TorchSequence:
 
 
 class _Decode:
-    """A sequence being decoded by the engine thread, and where its tokens go."""
+    """A sequence being decoded by the engine thread, and where its tokens go. The first token
+    comes from the logits the prefill (or resume) left, each later one from a decode step."""
 
     def __init__(
         self,
         seq: TorchSequence,
-        token: int,
+        sampler: Sampler,
+        step: int,
         count: int,
         loop: asyncio.AbstractEventLoop,
         deliver: Callable[[Outcome], None],
     ) -> None:
         self.seq = seq
-        self.token = token
+        self.sampler = sampler
+        self.next_step = step
+        self.token: int | None = None
         self.remaining = count
         self.loop = loop
         self.deliver = deliver
@@ -121,10 +150,17 @@ class _Decode:
         if self.stopped or self.seq.released or self.remaining <= 0:
             return False
         try:
-            self.token = self.seq._engine.decode_step(self.seq, self.token)
+            if self.token is None:
+                logits = self.seq.logits
+                if logits is None:
+                    raise Conflict("the sequence has no logits to choose from")
+            else:
+                logits = self.seq._engine.engine.decode(self.seq.kv, self.token)
         except Conflict as exc:
             self.send(InsufficientStorage(f"KV cache full while decoding: {exc}"))
             return False
+        self.token = self.sampler.sample(logits, self.next_step)
+        self.next_step += 1
         self.remaining -= 1
         return self.send(self.token) and self.remaining > 0
 
@@ -266,8 +302,7 @@ class TorchEngine:
                 # verified by the agent against the Replica Record's digests (§6.7)
                 pages.append(engine.import_block(block.encode()))
             adopted, pages = pages, []  # the sequence owns them from here on
-            logits = engine.prefill(seq.kv, prompt, loaded_prefix_pages=adopted)
-            seq.first_token = _greedy(logits)
+            seq.logits = engine.prefill(seq.kv, prompt, loaded_prefix_pages=adopted)
             seq.computed = [
                 ComputedBlock(i, engine.block_container(seq.kv, i))
                 for i in range(len(loaded), len(prompt) // b)
@@ -280,9 +315,54 @@ class TorchEngine:
             raise
         return seq
 
-    def decode_step(self, seq: TorchSequence, token: int) -> int:
-        """Take ``token``, return the greedy next one (engine thread)."""
-        return _greedy(self.engine.decode(seq.kv, token))
+    async def resume(
+        self, loaded: Sequence[Container], prefill: Sequence[int], replay: Sequence[int]
+    ) -> TorchSequence:
+        """Copy ``loaded`` into pages as a session's first blocks, compute ``prefill`` as a
+        prefill, then replay ``replay`` by single decode steps (§6.8 steps 1-2).
+
+        Raises:
+            BadRequest: nothing to compute, or a token outside the vocabulary.
+            Incompatible: a loaded block of another geometry.
+            InsufficientStorage: no free KV pages for the context.
+        """
+        if not prefill and not replay:
+            raise BadRequest("nothing to compute after the loaded blocks")
+        bad = next((t for t in (*prefill, *replay) if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise BadRequest(f"token {bad} is outside the model's {self.vocab} ids")
+        for block in loaded:
+            self._check_block(block)
+        job = self.submit(self._run_resume, loaded, list(prefill), list(replay))
+        return await asyncio.wrap_future(job)
+
+    def _run_resume(
+        self, loaded: Sequence[Container], prefill: list[int], replay: list[int]
+    ) -> TorchSequence:
+        """Import, compute and replay on the engine thread."""
+        engine, b = self.engine, self._descriptor.block_tokens
+        total = len(loaded) * b + len(prefill) + len(replay)
+        free = engine.cache.num_pages - engine.cache.used_pages
+        if free < -(-total // b):
+            raise InsufficientStorage(f"the KV cache has {free} free pages")
+        pages: list[int] = []
+        seq = TorchSequence(self, engine.new_sequence(), len(loaded))
+        try:
+            for block in loaded:
+                pages.append(engine.import_block(block.encode()))
+            adopted, pages = pages, []
+            engine.adopt_pages(seq.kv, adopted)
+            logits = engine.prefill(seq.kv, prefill) if prefill else None
+            for token in replay:
+                logits = engine.decode(seq.kv, token)
+            seq.logits = logits
+        except BaseException as exc:
+            engine.cache.free(pages)
+            self.free(seq)
+            if isinstance(exc, Conflict):
+                raise InsufficientStorage(f"the KV cache is full: {exc}") from exc
+            raise
+        return seq
 
     def free(self, seq: TorchSequence) -> None:
         """Release ``seq``'s pages (engine thread; idempotent)."""
@@ -355,10 +435,3 @@ class TorchEngine:
         for decode in decoding:
             decode.send(None)  # ends their token streams
         self.engine.close()
-
-
-def _greedy(logits: torch.Tensor) -> int:
-    """The greedy choice (ties to the lowest id, as :class:`~kvsp.engine.sampler.Sampler`)."""
-    import torch
-
-    return int(torch.argmax(logits.detach().reshape(-1).to(device="cpu", dtype=torch.float64)))

@@ -15,6 +15,13 @@ below's state above it: ``h_l[t] = squash(A_l @ h_l[t-1] + B_l @ x)``, ``K_l[t] 
 which every supported element type (fp32, fp16, bf16, int8 as ``h``) holds exactly; so a
 loaded block gives back the very state that computed it, and generation after a loaded prefix
 equals generation after a recomputed one. Integer arithmetic keeps results independent of BLAS.
+
+There is no distribution to sample from: greedy takes a hash of the top layer's state, and the
+sampled methods hash that state with the step's draw (:func:`~kvsp.services.engine_api.step_draw`
+of the seed and the step), which keeps what §6.8 relies on: a seeded choice is a pure function
+of the context, the seed and the step. ``decode_delay_s`` stands in for the device time of a
+decode round (the engine thread sleeps that long after each), so that tests and demos can watch
+a generation in flight.
 """
 
 from __future__ import annotations
@@ -26,18 +33,19 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.container import Container, Geometry, encode_container
-from kvsp.errors import BadRequest, Incompatible
+from kvsp.errors import BadRequest, Incompatible, LayersUnavailable
 from kvsp.ids import BlockKey
 from kvsp.registries import Codec
-from kvsp.services.engine_api import ComputedBlock, EngineStats
+from kvsp.services.engine_api import GREEDY, ComputedBlock, EngineStats, Sampling, step_draw
 from kvsp.stores.blocks import InsufficientStorage
 
+T = TypeVar("T")
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 Int8Array = np.ndarray[Any, np.dtype[np.int8]]
 
@@ -243,29 +251,45 @@ class ToySequence:
             sections, first_layer=0, token_count=b, codec=Codec.RAW, geometry=engine.geometry
         )
 
-    def next_token(self) -> int:
-        """The token the context predicts: a hash of the top layer's state."""
+    def choose(self, method: str, seed: int, step: int) -> int:
+        """The token the context gives at sampler ``step``: a hash of the top layer's state
+        (greedy), or of that state and the step's draw (the sampled methods)."""
         top = self._state[-1].astype(np.int8).tobytes()
+        if method != "greedy":
+            top += step_draw(seed, step)
         digest = hashlib.blake2b(top, digest_size=8).digest()
         return int.from_bytes(digest, "big") % self._engine.vocab
 
-    def step(self, token: int) -> int:
+    def step(self, token: int, method: str, seed: int, step: int) -> int:
         """One decode step on the engine thread: take ``token``, return the next."""
         began = time.perf_counter()
         self.compute([token])
-        following = self.next_token()
+        following = self.choose(method, seed, step)
         self._engine.decode_rate.add(1, time.perf_counter() - began)
         return following
 
-    async def tokens(self, max_tokens: int) -> AsyncIterator[int]:
-        """Generate up to ``max_tokens`` tokens. The engine thread runs the decode steps on
-        its own, one step per running sequence per round, and hands each token to this
-        loop; a busy event loop delays delivery but never the engine."""
+    def _complete_block(self, index: int) -> bytes:
+        """Block ``index`` as a container, if its KV is complete (engine thread)."""
+        if not 0 <= index < self.length // self._engine.descriptor.block_tokens:
+            raise LayersUnavailable(f"block {index} is not a complete block of the sequence")
+        return self.container(index)
+
+    async def block(self, index: int) -> bytes:
+        """Block ``index`` (prompt or generated) as a KVB1 container, read on the engine
+        thread between decode rounds.
+
+        Raises:
+            LayersUnavailable: the block is not complete yet.
+        """
+        return await asyncio.wrap_future(self._engine.submit(self._complete_block, index))
+
+    async def tokens(
+        self, max_tokens: int, sampling: Sampling = GREEDY, step: int = 0
+    ) -> AsyncIterator[int]:
+        """Generate up to ``max_tokens`` tokens, the first at sampler step ``step``. The engine
+        thread runs the decode steps on its own, one step per running sequence per round, and
+        hands each token to this loop; a busy event loop delays delivery but never the engine."""
         if max_tokens <= 0 or self.released:
-            return
-        token = self.next_token()  # from the prefill; nothing else touches the state yet
-        yield token
-        if max_tokens == 1:
             return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[int | None] = asyncio.Queue()
@@ -275,7 +299,7 @@ class ToySequence:
                 self._engine.account(self)
             queue.put_nowait(value)
 
-        decode = _Decode(self, token, max_tokens - 1, loop, deliver)
+        decode = _Decode(self, sampling, step, max_tokens, loop, deliver)
         self._engine.start_decode(decode)
         try:
             while (value := await queue.get()) is not None:
@@ -289,18 +313,23 @@ class ToySequence:
 
 
 class _Decode:
-    """A sequence being decoded by the engine thread, and where its tokens go."""
+    """A sequence being decoded by the engine thread, and where its tokens go. The first token
+    comes from the state the prefill left, each later one from a decode step."""
 
     def __init__(
         self,
         seq: ToySequence,
-        token: int,
+        sampling: Sampling,
+        step: int,
         count: int,
         loop: asyncio.AbstractEventLoop,
         deliver: Callable[[int | None], None],
     ) -> None:
         self.seq = seq
-        self.token = token
+        self.method = sampling.method
+        self.seed = sampling.run_seed()
+        self.next_step = step
+        self.token: int | None = None
         self.remaining = count
         self.loop = loop
         self.deliver = deliver
@@ -318,9 +347,14 @@ class _Decode:
         """Decode one token (engine thread); whether the sequence goes on."""
         if self.stopped or self.seq.released or self.remaining <= 0:
             return False
-        self.token = self.seq.step(self.token)
+        if self.token is None:
+            token = self.seq.choose(self.method, self.seed, self.next_step)
+        else:
+            token = self.seq.step(self.token, self.method, self.seed, self.next_step)
+        self.token = token
+        self.next_step += 1
         self.remaining -= 1
-        return self.send(self.token) and self.remaining > 0
+        return self.send(token) and self.remaining > 0
 
 
 class ToyEngine:
@@ -328,7 +362,7 @@ class ToyEngine:
 
     Raises:
         Incompatible: a ``kv_dtype`` other than fp32, fp16, bf16 or int8.
-        ValueError: ``capacity_blocks`` or ``vocab`` below 1.
+        ValueError: ``capacity_blocks`` or ``vocab`` below 1, or a negative delay.
     """
 
     def __init__(
@@ -337,13 +371,15 @@ class ToyEngine:
         *,
         capacity_blocks: int = 1024,
         vocab: int = 32_000,
+        decode_delay_s: float = 0.0,
     ) -> None:
         self._descriptor = descriptor or toy_descriptor()
         if self._descriptor.kv_dtype not in SUPPORTED_DTYPES:
             known = ", ".join(sorted(SUPPORTED_DTYPES))
             raise Incompatible(f"the toy engine stores {known}, not {self._descriptor.kv_dtype}")
-        if capacity_blocks < 1 or vocab < 1:
-            raise ValueError("capacity_blocks and vocab must be at least 1")
+        if capacity_blocks < 1 or vocab < 1 or not decode_delay_s >= 0:
+            raise ValueError("capacity_blocks and vocab must be at least 1, the delay >= 0")
+        self.decode_delay_s = decode_delay_s
         self.geometry = Geometry.from_descriptor(self._descriptor)
         self.weights = _Weights(self._descriptor)
         self.capacity_blocks = capacity_blocks
@@ -353,7 +389,7 @@ class ToyEngine:
         self._held: OrderedDict[BlockKey, Container] = OrderedDict()
         self._sequences: set[ToySequence] = set()
         self._sequence_blocks = 0
-        self._jobs: deque[tuple[Callable[[], None], Future[None]]] = deque()
+        self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._decoding: list[_Decode] = []
         self._wake = threading.Condition()
         self._closed = False
@@ -466,11 +502,56 @@ class ToyEngine:
         self._sequence_blocks += blocks
         seq.blocks_accounted = blocks
         try:
-            await asyncio.wrap_future(self._submit(self._run_prefill, seq, prompt, loaded))
+            await asyncio.wrap_future(self.submit(self._run_prefill, seq, prompt, loaded))
         except BaseException:
             self.free(seq)
             raise
         return seq
+
+    async def resume(
+        self, loaded: Sequence[Container], prefill: Sequence[int], replay: Sequence[int]
+    ) -> ToySequence:
+        """Take ``loaded`` as the first blocks of a session's context, compute ``prefill``,
+        then ``replay`` token by token (§6.8 steps 1-2).
+
+        Raises:
+            BadRequest: nothing to compute after the loaded blocks.
+            Incompatible: a loaded block of another geometry.
+            InsufficientStorage: the running sequences fill KV memory.
+        """
+        if not prefill and not replay:
+            raise BadRequest("nothing to compute after the loaded blocks")
+        for block in loaded:
+            self._check_block(block)
+        total = len(loaded) * self._descriptor.block_tokens + len(prefill) + len(replay)
+        blocks = self._blocks_for(total)
+        if not self._make_room(blocks):
+            raise InsufficientStorage("the toy engine's KV memory is full")
+        seq = ToySequence(self, len(loaded))
+        self._sequences.add(seq)
+        self._sequence_blocks += blocks
+        seq.blocks_accounted = blocks
+        try:
+            await asyncio.wrap_future(self.submit(self._run_resume, seq, loaded, prefill, replay))
+        except BaseException:
+            self.free(seq)
+            raise
+        return seq
+
+    def _run_resume(
+        self,
+        seq: ToySequence,
+        loaded: Sequence[Container],
+        prefill: Sequence[int],
+        replay: Sequence[int],
+    ) -> None:
+        began = time.perf_counter()
+        seq.load(loaded)
+        seq.compute(prefill)
+        if prefill:
+            self.prefill_rate.add(len(prefill), time.perf_counter() - began)
+        for token in replay:
+            seq.compute([token])
 
     def _run_prefill(
         self, seq: ToySequence, prompt: Sequence[int], loaded: Sequence[Container]
@@ -488,8 +569,13 @@ class ToyEngine:
 
     # -- the engine thread ----------------------------------------------------------------------
 
-    def _submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
-        future: Future[None] = Future()
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` on the engine thread before its next decode round.
+
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        future: Future[T] = Future()
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -498,15 +584,15 @@ class ToyEngine:
         return future
 
     @staticmethod
-    def _execute(job: Callable[[], None], future: Future[None]) -> None:
+    def _execute(job: Callable[[], Any], future: Future[Any]) -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            job()
+            result = job()
         except BaseException as exc:
             future.set_exception(exc)
         else:
-            future.set_result(None)
+            future.set_result(result)
 
     def start_decode(self, decode: _Decode) -> None:
         """Have the engine thread decode ``decode``'s sequence, one token per round."""
@@ -532,6 +618,8 @@ class ToyEngine:
                     self._decoding = [d for d in self._decoding if d not in finished]
                 for decode in finished:
                     decode.send(None)
+            if batch and self.decode_delay_s:
+                time.sleep(self.decode_delay_s)  # the emulated device time of the round
 
     async def aclose(self) -> None:
         """Stop the engine thread (after the round it is running)."""

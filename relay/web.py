@@ -6,7 +6,9 @@ same JSON as the HTTP holder (:mod:`kvsp.services.holder_app`):
 * ``POST leases`` ``{compat_id, scope_id, block_keys, ttl_ms}`` → 201 LeaseGrant,
   ``Location: leases/{id}``;
 * ``PUT leases/{id}`` ``{ttl_ms}`` → 200 LeaseGrant; ``DELETE leases/{id}`` → 204;
-* ``GET healthz`` (no token) → ``{"status": "ok"}``.
+* ``GET healthz`` (no token) → ``{"status": "ok"}``;
+* ``GET metrics`` (role ``metrics``; :mod:`kvsp.services.metrics`: leases, and the MOQT octets
+  of the relay named by ``app.state.relay``), ``GET openapi.json`` (no token).
 
 Errors are RFC 9457 problems. Every request but healthz needs ``Authorization: Bearer``; in
 open mode (no principals) every request acts as an anonymous admin.
@@ -30,7 +32,7 @@ from kvsp.errors import NotFound
 from kvsp.records import LeaseRenewal, LeaseRequest
 from kvsp.services.auth import Principal, Principals, principal_of
 from kvsp.services.clock import Clock
-from kvsp.services.http import read_json
+from kvsp.services.http import install_operations, read_json
 from kvsp.services.problems import install_problem_handlers, kvsp_json
 from kvsp.services.runner import base_url, bind_socket
 
@@ -88,7 +90,9 @@ def create_app(holder: RelayHolder, principals: Principals | None, clock: Clock)
     )
     app.state.principals = principals
     app.state.clock = clock
+    app.state.holder = holder
     install_problem_handlers(app)
+    install_operations(app, "relay", "KVSP relay (HTTP holder face)")
     return app
 
 
@@ -113,12 +117,14 @@ class HttpFace:
         keyfile: str | None = None,
         log_level: str = "warning",
     ) -> None:
+        self.app = app
         self._socket: socket.socket = bind_socket(host, port)
         self.url = base_url(host, self._socket.getsockname()[1], tls=certfile is not None)
         config = uvicorn.Config(
             app,
             lifespan="off",
             access_log=False,
+            log_config=None,  # records go to the root logger: JSON under kvsp serve
             log_level=log_level,
             ssl_certfile=certfile,
             ssl_keyfile=keyfile,

@@ -3,16 +3,20 @@
 Each service module exposes ``configure_parser(parser)`` to add its own options and
 ``run(args) -> int`` to serve; this module adds the options they all share and turns them
 into a :class:`~kvsp.services.runner.ServeConfig` and a principals table.
+:func:`with_logging` wraps a service's ``run`` so that its logs go to stderr as JSON lines
+(``--log-format json``, the default for ``kvsp serve``) or plain text, at ``--log-level``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from kvsp.errors import BadRequest
 from kvsp.services.auth import Principals, ensure_default_principals
+from kvsp.services.logs import LOG_FORMATS, configure_logging
 from kvsp.services.runner import ServeConfig
 
 DEFAULT_STATE = Path("state")
@@ -42,7 +46,18 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--ready-file", type=Path, metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--cert", type=Path, metavar="PEM", help="TLS certificate")
     parser.add_argument("--key", type=Path, metavar="PEM", help="TLS private key")
-    parser.add_argument("--log-level", default="warning", metavar="LEVEL")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        metavar="LEVEL",
+        help="debug, info (one access record per request), warning (default), error",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="json",
+        help="stderr log records: one JSON object per line (default) or plain text",
+    )
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -91,3 +106,21 @@ def load_principals(args: argparse.Namespace) -> Principals:
     path, token_path = ensure_default_principals(args.state)
     print(f"kvsp: principals {path}; admin token in {token_path}", file=sys.stderr)
     return Principals.load(path)
+
+
+def with_logging(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run`` preceded by :func:`~kvsp.services.logs.configure_logging` from ``--log-format``
+    and ``--log-level`` (what ``kvsp serve`` runs for each service).
+
+    Raises:
+        BadRequest: an unknown log level (from the wrapped handler).
+    """
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            configure_logging(args.log_format, args.log_level)
+        except ValueError as exc:
+            raise BadRequest(f"--log-level: {exc}") from None
+        return run(args)
+
+    return handler

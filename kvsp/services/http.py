@@ -4,7 +4,8 @@ DESIGN.md §3 "Encodings"; RFC 9530, RFC 8941).
 Bodies are read with a hard limit that is enforced while streaming, JSON bodies are checked for
 media type, UTF-8, nesting depth and non-finite numbers before anything else sees them, and the
 §6.7 query parameters and the ``Repr-Digest`` field are parsed into plain values or a
-:class:`~kvsp.errors.BadRequest` naming the parameter.
+:class:`~kvsp.errors.BadRequest` naming the parameter. :func:`install_operations` mounts the
+operator's resources every service has (metrics, request ids, OpenAPI).
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import re
 from typing import Any
 
 import numpy as np
+from starlette.applications import Starlette
 from starlette.requests import Request
 
 from kvsp.errors import BadRequest, KVSPError, PayloadTooLarge
 from kvsp.ids import check_length
+from kvsp.services.logs import RequestContextMiddleware
+from kvsp.services.metrics import install_metrics
+from kvsp.services.openapi import install_openapi
 
 JSON_MEDIA_TYPES = frozenset({"application/kvsp+json", "application/json"})
 MAX_JSON_DEPTH = 64
@@ -146,6 +151,8 @@ def parse_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise BadRequest(
             f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", path="$"
         ) from None
+    except ValueError as exc:  # an integer beyond the interpreter's 4,300-digit limit
+        raise BadRequest(f"malformed JSON: {str(exc)[:80]}", path="$") from None
     except RecursionError:  # unreachable after the depth check; a bound all the same
         raise BadRequest(f"JSON nested deeper than {max_depth} levels", path="$") from None
 
@@ -268,3 +275,16 @@ def _dictionary(text: str) -> dict[str, str]:
         if separator is None or separator.end() == len(text):
             raise BadRequest(f"malformed dictionary at offset {pos}", path="Repr-Digest")
         pos = separator.end()
+
+
+def install_operations(app: Starlette, service: str, title: str) -> None:
+    """Mount what every service serves for its operators: ``/metrics`` and the request
+    metrics (:mod:`kvsp.services.metrics`), request ids and access records
+    (:mod:`kvsp.services.logs`), and ``/openapi.json`` (:mod:`kvsp.services.openapi`).
+
+    Call it last while building the app, after :func:`~kvsp.services.problems.
+    install_problem_handlers`, so that the middleware sees every answer, 500s included.
+    """
+    install_metrics(app, service)
+    install_openapi(app, title)
+    app.add_middleware(RequestContextMiddleware)  # outermost: ids on every answer

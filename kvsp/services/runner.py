@@ -94,6 +94,7 @@ def _uvicorn_config(app: ASGIApp, config: ServeConfig) -> uvicorn.Config:
         http="httptools" if fast_http else "h11",
         lifespan="auto",
         access_log=False,
+        log_config=None,  # records go to the root logger (kvsp.services.logs formats them)
         log_level=config.log_level,
         ssl_certfile=os.fspath(config.ssl_certfile) if config.ssl_certfile else None,
         ssl_keyfile=os.fspath(config.ssl_keyfile) if config.ssl_keyfile else None,

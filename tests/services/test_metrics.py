@@ -1,0 +1,319 @@
+"""Prometheus metrics of every service (kvsp.services.metrics): request counts by route template,
+the scrape-only role, and the domain metrics at the points that count them. In-process apps,
+one real process (an instance that runs a directive), and a real MOQT relay for its octets."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import Request
+from starlette.routing import Route
+
+from kvsp.compat import compat_id
+from kvsp.container import encode_container
+from kvsp.keys import block_keys
+from kvsp.records import InstanceStatusRecord, ReplicaRecord
+from kvsp.registries import InstanceState
+from kvsp.services.testing import InProcessClient, start_process
+from kvsp.stores.base import holder_id_of
+from moqt.certs import make_self_signed
+
+HERE = Path(__file__).resolve().parent
+HELPERS = HERE / "operations_for_tests.py"
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ops = _load(HELPERS, "kvsp_operations_for_tests")
+COMPAT = compat_id(ops.DESCRIPTOR)
+SCOPE_HEX = ops.SCOPE.hex()
+KEYS = block_keys(ops.SCOPE_KEY, COMPAT, list(range(16)), 4)
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of an exposition, by name and label set."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def value(text: str, name: str, **labels: str) -> float | None:
+    """The one sample of ``name`` whose labels include ``labels``."""
+    found = [
+        v for (n, ls), v in samples(text).items() if n == name and set(labels.items()) <= set(ls)
+    ]
+    assert len(found) <= 1, f"{name}{labels}: {len(found)} samples"
+    return found[0] if found else None
+
+
+def scrape(client: InProcessClient) -> str:
+    response = client.get("/metrics", headers=ops.METRICS)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def record(key: bytes, holder: str = "http://h1.test/") -> ReplicaRecord:
+    digest = bytes(32)
+    return ReplicaRecord(
+        block_key=key,
+        compat_id=COMPAT,
+        scope_id=ops.SCOPE,
+        holder=holder,
+        codec=1,
+        size=1024,
+        digest=digest,
+        layer_digests=None,
+        residency=None,
+        ttl_ms=60_000,
+    )
+
+
+def put_replica(client: InProcessClient, key: bytes, holder: str = "http://h1.test/") -> None:
+    path = f"/replicas/{COMPAT.hex()}/{SCOPE_HEX}/{key.hex()}/{holder_id_of(holder).hex()}"
+    response = client.put(path, json=record(key, holder).to_json(), headers=ops.ADMIN)
+    assert response.status_code == 200, response.text
+
+
+# --- access -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("service", ops.SERVICES)
+def test_metrics_need_the_metrics_role(service: str, tmp_path: Path) -> None:
+    client = InProcessClient(ops.build_app(service, tmp_path))
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers=ops.CLIENT).status_code == 403
+    assert client.get("/metrics", headers=ops.ADMIN).status_code == 200
+    response = client.get("/metrics", headers=ops.METRICS)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    assert value(response.text, "kvsp_http_requests_total", route="/metrics", status="401") == 1
+
+
+def test_the_metrics_role_opens_nothing_else(tmp_path: Path) -> None:
+    client = InProcessClient(ops.build_app("index", tmp_path))
+    put_replica(client, KEYS[0])
+    body = {"scope_id": SCOPE_HEX, "compat_id": COMPAT.hex(), "block_keys": [KEYS[0].hex()]}
+    assert client.post("/lookup", json=body, headers=ops.ADMIN).json()["matched"] == 1
+    # No scope: its lookups find nothing (§6.2), and it may publish for no holder (§6.1).
+    assert client.post("/lookup", json=body, headers=ops.METRICS).json()["matched"] == 0
+    path = f"/replicas/{COMPAT.hex()}/{SCOPE_HEX}/{KEYS[1].hex()}/{holder_id_of('http://h1.test/').hex()}"
+    refused = client.put(path, json=record(KEYS[1]).to_json(), headers=ops.METRICS)
+    assert refused.status_code == 403
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+def test_requests_are_counted_by_route_template_not_path(tmp_path: Path) -> None:
+    client = InProcessClient(ops.build_app("index", tmp_path))
+    for key in KEYS[:3]:
+        put_replica(client, key)
+    assert client.get("/no/such/resource", headers=ops.ADMIN).status_code == 404
+    bad = f"/replicas/{COMPAT.hex()}/{SCOPE_HEX}/NOT-HEX/{'0' * 32}"
+    assert client.put(bad, json={}, headers=ops.ADMIN).status_code == 400
+    text = scrape(client)
+    template = "/replicas/{compat}/{scope}/{key}/{holder_id}"
+    put = {"service": "index", "route": template, "method": "PUT"}
+    assert value(text, "kvsp_http_requests_total", status="200", **put) == 3
+    assert value(text, "kvsp_http_requests_total", status="400", **put) == 1
+    assert value(text, "kvsp_http_requests_total", route="<unmatched>", status="404") == 1
+    assert value(text, "kvsp_http_request_duration_seconds_count", **put) == 4
+    # Aggregates only: no scope id, block key or holder in any label or value.
+    for secret in (SCOPE_HEX, KEYS[0].hex(), "h1.test", "NOT-HEX"):
+        assert secret not in text
+
+
+def test_a_server_error_is_counted_as_500(tmp_path: Path) -> None:
+    app = ops.build_app("holder", tmp_path)
+
+    async def boom(request: Request) -> None:
+        raise RuntimeError("broken on purpose")
+
+    app.router.routes.append(Route("/boom", boom))
+    client = InProcessClient(app)
+    assert client.get("/boom").status_code == 500
+    assert value(scrape(client), "kvsp_http_requests_total", route="/boom", status="500") == 1
+
+
+def test_every_app_has_its_own_registry(tmp_path: Path) -> None:
+    first = InProcessClient(ops.build_app("index", tmp_path / "a"))
+    second = InProcessClient(ops.build_app("index", tmp_path / "b"))
+    put_replica(first, KEYS[0])
+    assert value(scrape(first), "kvsp_replicas") == 1
+    assert value(scrape(second), "kvsp_replicas") == 0
+    template = "/replicas/{compat}/{scope}/{key}/{holder_id}"
+    assert value(scrape(second), "kvsp_http_requests_total", route=template) is None
+
+
+# --- domain metrics ---------------------------------------------------------------------------
+
+
+def test_index_counts_replicas_lookups_and_the_hit_ratio(tmp_path: Path) -> None:
+    client = InProcessClient(ops.build_app("index", tmp_path))
+    put_replica(client, KEYS[0])
+    put_replica(client, KEYS[1])
+    put_replica(client, KEYS[1], holder="http://h2.test/")
+    body = {"scope_id": SCOPE_HEX, "compat_id": COMPAT.hex(), "block_keys": [k.hex() for k in KEYS]}
+    answer = client.post("/lookup", json=body, headers=ops.ADMIN)
+    assert answer.json()["matched"] == 2
+    text = scrape(client)
+    assert value(text, "kvsp_replicas") == 3
+    assert value(text, "kvsp_lookups_total", via="lookup") == 1
+    assert value(text, "kvsp_lookup_keys_total", via="lookup", result="asked") == len(KEYS)
+    assert value(text, "kvsp_lookup_keys_total", via="lookup", result="matched") == 2
+    assert value(text, "kvsp_cache_hit_ratio", via="lookup") == pytest.approx(2 / len(KEYS))
+
+
+def _status(instance: str, state: InstanceState = InstanceState.ACTIVE) -> InstanceStatusRecord:
+    return InstanceStatusRecord(
+        instance=instance,
+        epoch=1,
+        state=state,
+        running=0,
+        queued=0,
+        batch_size=8,
+        kv_utilization=0.0,
+        prefill_tokens_per_s=1000.0,
+        decode_tokens_per_s=100.0,
+        links=(),
+        requested_state=None,
+        ttl_ms=60_000,
+    )
+
+
+def test_pc_counts_instance_states_placements_and_directive_outcomes(tmp_path: Path) -> None:
+    client = InProcessClient(ops.build_app("control", tmp_path))
+    instance = "http://127.0.0.1:9/"
+    path = f"/instances/{holder_id_of(instance).hex()}/status"
+    assert client.put(path, json=_status(instance).to_json(), headers=ops.ADMIN).status_code == 200
+    # A cached prefix makes the PC send a directive, which the (unreachable) instance refuses.
+    assert client.put(
+        f"/descriptors/{COMPAT.hex()}", json=ops.DESCRIPTOR.to_json(), headers=ops.ADMIN
+    ).status_code in (200, 201)
+    put_replica(client, KEYS[0])
+    place = {
+        "scope_id": SCOPE_HEX,
+        "compat_id": COMPAT.hex(),
+        "block_keys": [k.hex() for k in KEYS],
+        "prompt_tokens": 64,
+    }
+    answer = client.post("/place", json=place, headers=ops.ADMIN)
+    text = scrape(client)
+    assert value(text, "kvsp_instances", state="active") == 1
+    assert value(text, "kvsp_instances", state="failed") == 0
+    assert value(text, "kvsp_lookups_total", via="place") == (
+        1 if answer.status_code == 200 else None
+    )
+    sent = value(text, "kvsp_directive_outcomes_total", outcome="sent")
+    failed = value(text, "kvsp_directive_outcomes_total", outcome="failed")
+    assert (sent, failed) == (0, 1), answer.text
+
+
+def _block(key: bytes) -> bytes:
+    d = ops.DESCRIPTOR
+    section = d.block_tokens * d.kv_heads * d.head_dim * 2  # fp16
+    layers = [(bytes([i + 1]) * section, bytes([i + 2]) * section) for i in range(d.layers)]
+    return encode_container(layers, first_layer=0, token_count=d.block_tokens)
+
+
+def test_holder_counts_leases_and_block_octets(tmp_path: Path) -> None:
+    client = InProcessClient(ops.build_app("holder", tmp_path))
+    path = f"/blocks/{COMPAT.hex()}/{SCOPE_HEX}/{KEYS[0].hex()}"
+    data = _block(KEYS[0])
+    headers = {**ops.ADMIN, "if-none-match": "*", "content-type": "application/kvsp-block"}
+    assert client.put(path, content=data, headers=headers).status_code == 201, path
+    got = client.get(path, headers=ops.ADMIN)
+    part = client.get(path, params={"layers": "1-1"}, headers=ops.ADMIN)
+    assert got.content == data
+    lease = {
+        "compat_id": COMPAT.hex(),
+        "scope_id": SCOPE_HEX,
+        "block_keys": [KEYS[0].hex()],
+        "ttl_ms": 30_000,
+    }
+    assert client.post("/leases", json=lease, headers=ops.ADMIN).status_code == 201
+    text = scrape(client)
+    assert value(text, "kvsp_block_bytes_total", transport="http", direction="received") == len(
+        data
+    )
+    sent = len(got.content) + len(part.content)
+    assert value(text, "kvsp_block_bytes_total", transport="http", direction="sent") == sent
+    assert value(text, "kvsp_leases_active") == 1
+    assert value(text, "kvsp_leased_blocks") == 1
+
+
+def test_relay_face_counts_leases(tmp_path: Path) -> None:
+    client = InProcessClient(ops.build_app("relay", tmp_path))
+    text = scrape(client)
+    assert value(text, "kvsp_leases_active") == 0
+
+
+def test_instance_process_counts_its_directives_and_state(tmp_path: Path) -> None:
+    with start_process([sys.executable, str(HELPERS), "instance"], workdir=tmp_path) as service:
+        directive = {
+            "directive": str(uuid.uuid4()),
+            "scope_id": SCOPE_HEX,
+            "compat_id": COMPAT.hex(),
+            "blocks": [{"block_key": KEYS[0].hex(), "sources": ["http://127.0.0.1:9/"]}],
+            "layer_order": "ascending",
+            "deadline_ms": 5_000,
+            "lease_ms": 1_000,
+        }
+        with httpx.Client(base_url=service.base_url, headers=ops.ADMIN, timeout=10) as http:
+            assert http.post("prefetch", json=directive).status_code == 202
+            where = f"prefetch/{directive['directive']}"
+            for _ in range(500):  # the IS knows no replica: it fails at once
+                if http.get(where).json()["state"] != "pending":
+                    break
+                time.sleep(0.01)
+            text = http.get("metrics").text
+    assert value(text, "kvsp_directive_outcomes_total", outcome="failed") == 1
+    assert value(text, "kvsp_directive_outcomes_total", outcome="complete") == 0
+    assert value(text, "kvsp_instance_state", state="active") == 1
+    assert value(text, "kvsp_instance_state", state="sleeping") == 0
+
+
+def test_relay_counts_moqt_payload_octets(tmp_path: Path) -> None:
+    kit = _load(HERE.parent / "relay" / "relay_testkit.py", "kvsp_relay_testkit_for_metrics")
+    certs = make_self_signed("localhost", tmp_path / "certs")
+    block = kit.make_block(7, layers=3, size=4096)
+    payload = sum(len(layer) for layer in block.layers)
+    face = ops.build_app("relay", tmp_path)
+
+    async def scenario() -> str:
+        async with kit.running_relay(kit.relay_config(certs)) as relay:
+            face.state.relay = relay
+            tracks = kit.block_track(block)
+            async with (
+                kit.publishing(relay.url, certs, tracks, [block.namespace[:4]]),
+                kit.client(relay.url, certs) as consumer,
+            ):
+                objects = await kit.fetch_all(consumer, block.track, len(block.layers))
+                assert [bytes(o.payload) for o in objects] == list(block.layers)
+            await kit.until(lambda: not relay._peers)
+            transport = httpx.ASGITransport(app=face)
+            async with httpx.AsyncClient(transport=transport, base_url="http://face/") as http:
+                return (await http.get("/metrics", headers=ops.METRICS)).text
+
+    text = kit.run(scenario())
+    # Received from the publisher, sent to the consumer; sessions that ended still count.
+    assert value(text, "kvsp_block_bytes_total", transport="moqt", direction="received") == payload
+    assert value(text, "kvsp_block_bytes_total", transport="moqt", direction="sent") == payload

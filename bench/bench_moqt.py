@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import hashlib
 import importlib
+import json
 import multiprocessing
 import os
 import socket
@@ -393,18 +394,27 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--paths-only", action="store_true", help="only the paths table")
     parser.add_argument("--no-paths", action="store_true", help="only the MOQT/raw table")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
     backends = args.backends.split(",")
     sizes = [int(size) for size in args.sizes.split(",")]
     folder = tempfile.mkdtemp(prefix="bench-moqt-")
     cert, key = (str(path) for path in make_self_signed("localhost", folder))
+    doc: dict[str, list[dict[str, Any]]] = {"moqt": [], "paths": []}  # --json, bench/report.py
     if not args.paths_only:
-        moqt_table(backends, sizes, cert, key, args.seconds)
+        rows = moqt_table(backends, sizes, cert, key, args.seconds)
+        keys = ("backend", "datagram", "moqt_mb_s", "raw_mb_s")
+        doc["moqt"] = [dict(zip(keys, row[:4], strict=True)) for row in rows]
     if not args.no_paths:
-        paths_table(backends, cert, key, args.seconds)
+        paths = paths_table(backends, cert, key, args.seconds)
+        doc["paths"] = [{"path": p, "mb_s": rate, "note": note} for p, rate, note in paths]
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc), encoding="utf-8")
 
 
-def moqt_table(backends: list[str], sizes: list[int], cert: str, key: str, seconds: float) -> None:
+def moqt_table(
+    backends: list[str], sizes: list[int], cert: str, key: str, seconds: float
+) -> list[tuple[str, int, float, float, Paired]]:
     versions = ", ".join(f"{name} {get_backend(name).version}" for name in backends)
     print(f"# MOQT d16 FETCH of 2 MiB blocks (32 x 64 KiB) vs raw QUIC, loopback; {versions}")
     print("# windows 64 MiB / 32 MiB, SO_RCVBUF/SO_SNDBUF 4 MiB, blocks one after another")
@@ -435,6 +445,7 @@ def moqt_table(backends: list[str], sizes: list[int], cert: str, key: str, secon
         best = max(rows, key=lambda r: r[2])
         ratio = best[2] / baseline
         print(f"best: {best[0]} {best[1]} B: {best[2]:.1f} MB/s = {ratio:.1f}x aioquic-1200")
+    return rows
 
 
 # --- the same block on every path -----------------------------------------------------------------
@@ -790,7 +801,9 @@ async def _drain(stream: Any) -> int:
     return sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
 
 
-def paths_table(backends: list[str], cert: str, key: str, seconds: float) -> None:
+def paths_table(
+    backends: list[str], cert: str, key: str, seconds: float
+) -> list[tuple[str, float, str]]:
     """The same 2 MiB block over every path, one after another, in one table."""
     best = "qh3" if "qh3" in backends else backends[0]
     print()
@@ -829,6 +842,7 @@ def paths_table(backends: list[str], cert: str, key: str, seconds: float) -> Non
         ms = f"{len(BLOCK) / 1e6 / rate * 1000:9.1f}" if rate else f"{'-':>9}"
         versus = f"{rate / tcp:7.3f}" if rate and tcp else f"{'-':>7}"
         print(f"{label:58} {rate:8.1f} {ms} {versus}  {note}")
+    return rows
 
 
 if __name__ == "__main__":

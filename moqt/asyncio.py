@@ -63,7 +63,7 @@ from .session_events import (
     SubscribeNamespaceEnded,
     SubscribeOkReceived,
 )
-from .session_state import RequestsBlockedError
+from .session_state import LocalProtocolError, RequestsBlockedError
 from .transport import (
     SEND_HIGH_WATER,
     WRITE_CHUNK,
@@ -306,7 +306,12 @@ class MOQTConnection(ObjectSender):
 
     # --- our requests ----------------------------------------------------------------------
 
-    async def _request(self, send: Callable[[], int]) -> tuple[int, MOQTEvent]:
+    async def _request(
+        self, send: Callable[[], int], on_cancel: Callable[[int], None] | None = None
+    ) -> tuple[int, MOQTEvent]:
+        """Send a request and wait for its reply; ``on_cancel(request_id)`` withdraws the
+        request when the waiting task is cancelled (FETCH_CANCEL, UNSUBSCRIBE), so the peer
+        does not keep serving a request nobody reads."""
         closed = self.session.closed
         if closed is not None:
             raise SessionClosedError(closed)
@@ -321,6 +326,11 @@ class MOQTConnection(ObjectSender):
         self.transmit()
         try:
             reply = await future
+        except asyncio.CancelledError:
+            if on_cancel is not None and self.session.closed is None:
+                with contextlib.suppress(LocalProtocolError):
+                    on_cancel(request_id)
+            raise
         finally:
             self._replies.pop(request_id, None)
         if isinstance(reply, RequestErrorReceived):
@@ -328,7 +338,10 @@ class MOQTConnection(ObjectSender):
         return request_id, reply
 
     async def _reader_request(
-        self, send: Callable[[], int], sink: PayloadSink | None
+        self,
+        send: Callable[[], int],
+        sink: PayloadSink | None,
+        on_cancel: Callable[[int], None] | None = None,
     ) -> tuple[int, MOQTEvent, TrackReader]:
         """A request whose objects arrive on a reader made (with its sink) before it is sent."""
         readers: list[TrackReader] = []
@@ -341,7 +354,7 @@ class MOQTConnection(ObjectSender):
             readers.append(reader)
             return request_id
 
-        request_id, reply = await self._request(send_and_read)
+        request_id, reply = await self._request(send_and_read, on_cancel)
         return request_id, reply, readers[0]
 
     async def subscribe(
@@ -360,7 +373,9 @@ class MOQTConnection(ObjectSender):
         """
         params = parameters or MessageParameters()
         request_id, reply, reader = await self._reader_request(
-            lambda: self.session.subscribe(namespace, name, parameters=params), payload_sink
+            lambda: self.session.subscribe(namespace, name, parameters=params),
+            payload_sink,
+            self.unsubscribe,
         )
         return Subscription(request_id, cast(SubscribeOkReceived, reply).message, reader)
 
@@ -383,6 +398,7 @@ class MOQTConnection(ObjectSender):
         request_id, reply, reader = await self._reader_request(
             lambda: self.session.fetch(namespace, name, start, end, parameters=params),
             payload_sink,
+            self.fetch_cancel,
         )
         return FetchResponse(request_id, cast(FetchOkReceived, reply).message, reader)
 

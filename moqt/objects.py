@@ -150,12 +150,16 @@ _Unit: TypeAlias = SubgroupHeader | FetchHeader | ObjectStart | EndOfRange
 
 @dataclass(frozen=True, slots=True)
 class _Prior:
-    """What later FETCH objects may inherit from the prior one (§10.4.4.1)."""
+    """What later FETCH objects may inherit from an End of Range (§10.4.4.1); after an object,
+    the object's own :class:`ObjectStart` plays this part (no second record per object)."""
 
     group_id: int
     object_id: int
     subgroup_id: int | None
     publisher_priority: int | None
+
+
+_Last: TypeAlias = ObjectStart | _Prior
 
 
 _MIN_WINDOW = 64
@@ -175,7 +179,7 @@ class DataStreamParser:
         self._payload_left = 0
         self._offset = 0
         self._current: ObjectStart | None = None
-        self._last: _Prior | None = None
+        self._last: _Last | None = None
         self._done = False
 
     @property
@@ -227,11 +231,11 @@ class DataStreamParser:
         doubling window at a time, so payload bytes after it are never copied.
         """
         if not self._pending:
-            result = self._attempt(view[pos:])
+            result = self._attempt(view, pos)
             if result is None:
                 self._pending += view[pos:]
                 return None
-            return pos + result[1], result[0]
+            return result[1], result[0]
         available = len(view) - pos
         window = max(_MIN_WINDOW, len(self._pending))
         taken = 0
@@ -239,7 +243,7 @@ class DataStreamParser:
             step = min(window, available - taken)
             self._pending += view[pos + taken : pos + taken + step]
             taken += step
-            result = self._attempt(self._pending)
+            result = self._attempt(memoryview(self._pending), 0)
             if result is not None:
                 used = result[1] - (len(self._pending) - taken)
                 self._pending.clear()
@@ -247,8 +251,9 @@ class DataStreamParser:
             window *= 2
         return None
 
-    def _attempt(self, data: Bytes) -> tuple[_Unit, int] | None:
-        reader = Reader(data)
+    def _attempt(self, view: memoryview, start: int) -> tuple[_Unit, int] | None:
+        """The unit at ``view[start:]`` and the position after it, or None when short."""
+        reader = Reader.at(view, start)
         try:
             unit = self._read_unit(reader)
         except NeedMoreData:
@@ -321,7 +326,7 @@ class DataStreamParser:
         )
 
     @staticmethod
-    def _fetch_subgroup(flags: int, prior: _Prior | None, reader: Reader) -> int | None:
+    def _fetch_subgroup(flags: int, prior: _Last | None, reader: Reader) -> int | None:
         if flags & FETCH_DATAGRAM:
             return None  # §10.4.4.1: a Datagram object has no subgroup; ignore the low bits
         mode = flags & FETCH_SUBGROUP_MASK
@@ -345,10 +350,7 @@ class DataStreamParser:
             priority = None if last is None else last.publisher_priority
             self._last = _Prior(unit.group_id, unit.object_id, subgroup, priority)
         else:
-            self._last = _Prior(
-                unit.group_id, unit.object_id, unit.subgroup_id, unit.publisher_priority
-            )
-            self._current = unit
+            self._last = self._current = unit
             self._offset = 0
             self._payload_left = unit.payload_length
             if not unit.payload_length:
@@ -370,7 +372,7 @@ class DataStreamParser:
         events.append(StreamFinished())
 
 
-def _prior(prior: _Prior | None) -> _Prior:
+def _prior(prior: _Last | None) -> _Last:
     if prior is None:
         # §10.4.4.1: a first object that references the prior one MUST be a violation
         raise ProtocolViolation("first fetch object references a prior object")

@@ -103,6 +103,9 @@ def object_status(value: int) -> ObjectStatus:
     return ObjectStatus(value)
 
 
+_IMMUTABLE = int(ExtensionType.IMMUTABLE_EXTENSIONS)  # plain ints on the per-object path
+
+
 def check_object_extensions(extensions: Extensions) -> Extensions:
     """Apply the per-object extension rules of §11.2–11.4; return ``extensions`` unchanged.
 
@@ -110,6 +113,11 @@ def check_object_extensions(extensions: Extensions) -> Extensions:
         MalformedTrack: two IMMUTABLE_EXTENSIONS, a nested one, an unparsable one, or a repeated
             PRIOR_GROUP_ID_GAP / PRIOR_OBJECT_ID_GAP.
     """
+    if len(extensions) == 1:  # the common case (KVSP: one IMMUTABLE_EXTENSIONS): no set
+        ext_type, value = extensions[0]
+        if ext_type == _IMMUTABLE and isinstance(value, bytes):
+            _decode_immutable(value)
+        return extensions
     seen: set[int] = set()
     for ext_type, value in extensions:
         if ext_type in (
@@ -130,7 +138,7 @@ def _decode_immutable(value: bytes) -> Extensions:
         inner = decode_kvp_block(value)
     except MOQTError as exc:
         raise MalformedTrack(f"IMMUTABLE_EXTENSIONS cannot be parsed: {exc.reason}") from None
-    if any(pair[0] == ExtensionType.IMMUTABLE_EXTENSIONS for pair in inner):
+    if any(pair[0] == _IMMUTABLE for pair in inner):
         # §11.2: an Immutable Extensions header inside another makes the track malformed
         raise MalformedTrack("IMMUTABLE_EXTENSIONS nested inside IMMUTABLE_EXTENSIONS")
     return inner
@@ -183,15 +191,24 @@ def push_extensions(writer: Writer, extensions: Sequence[KeyValuePair]) -> None:
     writer.push_length_prefixed(encode_kvps(extensions))
 
 
+MAX_EXTENSIONS_LENGTH = 1 << 20
+"""Ours: the longest Extension Headers block we take (sixteen 64 KiB values). A parser buffers
+an object header until it is whole, so a longer declared length would buffer without bound."""
+
+
 def read_extensions(reader: Reader) -> Extensions:
     """Read an Extensions structure and apply the per-object rules.
 
     Raises:
         NeedMoreData: the input ends inside it.
+        ProtocolViolation: a declared length beyond :data:`MAX_EXTENSIONS_LENGTH`.
         KeyValueFormattingError: the block does not parse as whole Key-Value-Pairs.
         MalformedTrack: see :func:`check_object_extensions`.
     """
-    block = reader.read_length_prefixed()
+    length = reader.read_varint()
+    if length > MAX_EXTENSIONS_LENGTH:
+        raise ProtocolViolation(f"Extension Headers Length {length} > {MAX_EXTENSIONS_LENGTH}")
+    block = reader.read_bytes(length)
     return check_object_extensions(decode_kvp_block(block))
 
 

@@ -114,6 +114,8 @@ class DataPlane:
         self._aliases_in = {}
         self._held_by_alias = {}
         self._sinks = {}
+        self.payload_octets_sent = 0  # object payload octets, for operations metrics
+        self.payload_octets_received = 0
 
     def set_track_sink(self, request_id: int, sink: TrackSink | None) -> None:
         """Hand the data events of ``request_id`` to ``sink`` as they happen (None: return
@@ -157,6 +159,7 @@ class DataPlane:
             on_payload = sink.on_payload
             for event in parsed:
                 if type(event) is ObjectChunk:
+                    self.payload_octets_received += len(event.data)
                     on_payload(stream_id, event.data, event.offset)
                 else:
                     self._route(stream_id, stream, event, out)
@@ -241,6 +244,7 @@ class DataPlane:
     def _payload(
         self, stream_id: int, request_id: int, chunk: ObjectChunk, out: list[MOQTEvent]
     ) -> None:
+        self.payload_octets_received += len(chunk.data)
         sink = self._sinks.get(request_id)
         if sink is None:
             out.append(ObjectData(stream_id, request_id, chunk.data, chunk.offset))
@@ -495,6 +499,7 @@ class DataPlane:
         if end_stream and size != stream.payload_left:
             raise LocalProtocolError(f"stream {stream_id}: FIN inside an object")
         stream.payload_left -= size
+        self.payload_octets_sent += size
         self._quic.send_stream_data(stream_id, data, end_stream)
         if end_stream:
             self._close_out(stream_id, stream)

@@ -112,14 +112,25 @@ class Reader:
 
     __slots__ = ("_view", "_pos", "_end")
 
-    def __init__(self, data: Bytes) -> None:
+    def __init__(self, data: Bytes, start: int = 0) -> None:
         self._view = as_byte_view(data)
-        self._pos = 0
+        self._pos = start
         self._end = len(self._view)
+
+    @classmethod
+    def at(cls, view: memoryview, start: int) -> Reader:
+        """A reader of the flat byte view ``view`` from ``start`` (no re-wrapping, no slice:
+        the data-stream parser reads every object header this way); ``position`` counts from
+        the start of ``view``."""
+        reader = cls.__new__(cls)
+        reader._view = view
+        reader._pos = start
+        reader._end = len(view)
+        return reader
 
     @property
     def position(self) -> int:
-        """Bytes consumed so far."""
+        """Where the cursor is: bytes consumed so far, plus ``start``."""
         return self._pos
 
     @property
@@ -315,17 +326,56 @@ def read_kvps_to_end(reader: Reader) -> tuple[KeyValuePair, ...]:
     return tuple(pairs)
 
 
+def _varint_at(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``buf[pos]`` and the position after it; NeedMoreData when short."""
+    if pos >= end:
+        raise NeedMoreData
+    first = buf[pos]
+    size = 1 << (first >> 6)
+    if size == 1:
+        return first, pos + 1
+    if pos + size > end:
+        raise NeedMoreData
+    return int.from_bytes(buf[pos : pos + size], "big") & _VARINT_MASK[size], pos + size
+
+
 def decode_kvp_block(data: Bytes) -> tuple[KeyValuePair, ...]:
     """Decode a block made only of Key-Value-Pairs (an Extensions body or a nested KVP value).
+
+    The same rules as :func:`read_kvps_to_end`, over the block's octets directly: objects
+    carry one such block (often two, nested), so this runs once or twice per object received.
 
     Raises:
         KeyValueFormattingError: the block does not parse as whole Key-Value-Pairs.
         ProtocolViolation: a Type above 2^64 - 1, or a value length above 65535.
     """
+    buf = data if type(data) is bytes else bytes(data)
+    end = len(buf)
+    pos = previous = 0
+    pairs: list[KeyValuePair] = []
     try:
-        return read_kvps_to_end(Reader(data))
+        while pos < end:
+            delta, pos = _varint_at(buf, pos, end)
+            kvp_type = previous + delta
+            if kvp_type > KVP_TYPE_MAX:
+                # §1.4.2: a Type above 2^64 - 1 MUST close the session with PROTOCOL_VIOLATION
+                raise ProtocolViolation(f"Key-Value-Pair type {kvp_type:#x} exceeds 2^64 - 1")
+            value, pos = _varint_at(buf, pos, end)
+            if kvp_type & 1:
+                if value > KVP_VALUE_MAX_LENGTH:
+                    raise ProtocolViolation(
+                        f"Key-Value-Pair type {kvp_type:#x}: length {value} > 65535"
+                    )
+                if pos + value > end:
+                    raise NeedMoreData
+                pairs.append((kvp_type, buf[pos : pos + value]))
+                pos += value
+            else:
+                pairs.append((kvp_type, value))
+            previous = kvp_type
     except NeedMoreData:
         raise KeyValueFormattingError("Key-Value-Pair block ends inside a pair") from None
+    return tuple(pairs)
 
 
 # --- Track Namespace, Track Name, Reason Phrase (§1.4.3, §2.4.1) ------------------------------

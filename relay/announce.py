@@ -11,6 +11,8 @@ offered to namespace subscribers (MOQT draft-16 §9.20–9.25; asyncio shell, mi
   announcer withdraws; with PUBLISH or BOTH the relay sends it a PUBLISH for each track
   published to the relay under the prefix, and delivers the objects after its PUBLISH_OK.
   Nobody hears of namespaces or tracks it may not use, nor of its own.
+* With an upstream relay, a namespace's first announcement here is announced there too, and
+  its last withdrawal withdrawn (:meth:`relay.upstream.UpstreamLink.announce`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class Announcements:
         _allowed: Callable[..., Principal | None]
 
         def _principal(self, peer: Peer, tokens: tuple[AuthToken, ...]) -> Principal | None: ...
+
+        def _forward_namespace(self, namespace: TrackNamespace, *, done: bool) -> None: ...
 
     def _on_publish_namespace(self, peer: Peer, event: PublishNamespaceReceived) -> None:
         message = event.message
@@ -137,7 +141,9 @@ class Announcements:
         peer.offers.pop(event.request_id, None)
 
     def _notify(self, namespace: TrackNamespace, *, done: bool, origin: Peer) -> None:
-        """NAMESPACE / NAMESPACE_DONE to every namespace subscriber that may see it."""
+        """A namespace got its first source or lost its last: tell the upstream relay, and
+        NAMESPACE / NAMESPACE_DONE to every namespace subscriber that may see it."""
+        self._forward_namespace(namespace, done=done)
         for sub, suffix in self.ns_subscribers.interested(namespace):
             peer = sub.session
             known = peer.ns_subscriptions.get(sub.request_id)

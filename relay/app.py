@@ -266,6 +266,7 @@ async def _serve(
         )
         holder.lease_base = face.url
         relay = Relay(config, holder=holder, clock=clock)
+        face.app.state.relay = relay  # the face's /metrics reads its MOQT octets
         moqt_url = await relay.start()
         try:
             await face.start()

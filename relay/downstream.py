@@ -7,6 +7,11 @@ subscriber never holds up the others. A subgroup stream is opened towards the su
 first object it wants from that upstream stream, so a subscriber that attaches mid-stream starts
 at the next object. A subscriber that falls more than ``queue_limit`` octets behind is ended
 with PUBLISH_DONE TOO_FAR_BEHIND.
+
+PUBLISH_DONE goes out once the subscriber's streams have drained (everything written was sent
+and acknowledged, or ``DRAIN_TIMEOUT_S`` passed): it travels on the control stream and would
+otherwise overtake the tail of the last object, and some subscribers (moq-rs) close the track on
+PUBLISH_DONE without waiting for the streams it counts.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from .routing import DeliveryFilter
 
 log = logging.getLogger(__name__)
 DEFAULT_QUEUE_LIMIT = 64 << 20
+DRAIN_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +92,7 @@ class Downstream:
         self._queue: asyncio.Queue[_Op] = asyncio.Queue()
         self._queued_bytes = 0
         self._streams: dict[int, int] = {}  # upstream stream → our stream
+        self._finished: list[int] = []  # our streams ended with a FIN (drained before DONE)
         self._skipping: set[int] = set()  # upstream streams whose current object is skipped
         self._task: asyncio.Task[None] | None = None
         self.closed = False
@@ -157,6 +164,7 @@ class Downstream:
             op = await self._queue.get()
             try:
                 if isinstance(op, _Done):
+                    await self._drain()
                     self._publish_done(op)
                     return
                 await self._apply(op)
@@ -185,6 +193,7 @@ class Downstream:
                 session.reset_data_stream(ours, op.code)
             elif ours is not None:
                 session.finish_stream(ours)
+                self._finished.append(ours)
             self.connection.transmit()
         elif isinstance(op, _Datagram):
             self._send_datagram(op.datagram)
@@ -229,6 +238,22 @@ class Downstream:
             end_of_group=datagram.end_of_group,
         )
         self.connection.transmit()
+
+    async def _drain(self) -> None:
+        """Wait (bounded) until our finished streams hold nothing unsent or unacknowledged."""
+        deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
+        while asyncio.get_running_loop().time() < deadline:
+            self._finished = [s for s in self._finished if self._buffered(s)]
+            if not self._finished:
+                return
+            self.connection.transmit()
+            await asyncio.sleep(0.002)
+
+    def _buffered(self, stream_id: int) -> bool:
+        try:
+            return self.connection.session.send_buffered(stream_id) > 0
+        except Exception:  # noqa: BLE001 - a stream the QUIC library already dropped
+            return False
 
     def _publish_done(self, op: _Done) -> None:
         session = self.connection.session

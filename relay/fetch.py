@@ -6,7 +6,9 @@ extensions, then one fetch stream with every object, its properties as cached. U
 the same FETCH to the route's source; FETCH_OK is withheld until the source's arrives (its
 End Location is then known), its objects are forwarded as they arrive, compared with cached
 copies (a differing copy resets the stream with MALFORMED_TRACK and tombstones the track) and
-cached. A REQUEST_ERROR upstream is passed on with its code.
+cached. A track the session finds malformed while parsing (it has stopped the upstream stream
+and sent FETCH_CANCEL) is tombstoned the same way and the downstream stream reset with
+MALFORMED_TRACK. A REQUEST_ERROR upstream is passed on with its code.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError
+from moqt.asyncio import MalformedTrackError, MOQTConnection, RequestRejected, SessionClosedError
 from moqt.errors import RequestErrorCode, StreamResetCode
 from moqt.messages import StandaloneFetch
 from moqt.session_events import (
     DataStreamFinished,
     DataStreamReset,
+    MalformedTrackDetected,
     MOQTEvent,
     ObjectData,
     ObjectEnd,
@@ -105,6 +108,8 @@ async def proxy_fetch(
                 break
     except (LocalProtocolError, SessionClosedError):
         relay.failed = True  # FETCH_CANCEL downstream, or a session closed
+    except MalformedTrackError as exc:  # normally seen first as MalformedTrackDetected
+        relay.malformed(exc.reason)
     finally:
         relay.close()
         if not relay.completed:  # failed, or cancelled (the subscriber left)
@@ -174,7 +179,14 @@ class _FetchRelay:
             self.ingest.stream_reset(event.stream_id)
             self._reset(event.error_code)
             return False
+        elif isinstance(event, MalformedTrackDetected):
+            return self.malformed(event.reason)
         return True
+
+    def malformed(self, reason: str) -> bool:
+        """The session found the upstream track malformed: tombstone it, reset downstream."""
+        self.hooks.cache.mark_malformed(self.ingest.key, self.hooks.now_ms(), reason)
+        return self._malformed(reason)
 
     def _malformed(self, reason: str) -> bool:
         log.warning("fetched track is malformed: %s", reason)

@@ -24,11 +24,11 @@ class Peer:
 
     connection: MOQTConnection
     principal: Principal
+    upstream: bool = False  # our session to the upstream relay: never routed back there
     namespaces: dict[int, TrackNamespace] = field(default_factory=dict)
     ns_subscriptions: dict[int, tuple[Principal, SubscribeOptions]] = field(default_factory=dict)
     subscriptions: dict[int, RelayedTrack] = field(default_factory=dict)
     offers: dict[int, RelayedTrack] = field(default_factory=dict)  # our PUBLISH, awaiting OK
-    upstream: dict[int, RelayedTrack] = field(default_factory=dict)  # its side of our tracks
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 

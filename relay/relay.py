@@ -3,14 +3,16 @@
 One UDP socket serves every peer (:func:`moqt.asyncio.serve`). Each session is authenticated
 from its CLIENT_SETUP token (:mod:`relay.access`) and then its requests are dispatched:
 
-* PUBLISH_NAMESPACE / PUBLISH_NAMESPACE_DONE: the namespace routes to that session;
+* PUBLISH_NAMESPACE / PUBLISH_NAMESPACE_DONE: the namespace routes to that session (and is
+  announced to the upstream relay, which then routes it here);
   SUBSCRIBE_NAMESPACE sessions hear NAMESPACE / NAMESPACE_DONE, and are offered PUBLISHed
   tracks, for what they may see (:mod:`relay.announce`).
 * SUBSCRIBE: attached to the track's one upstream subscription, or a new one to the longest
   announced prefix's publisher, else to the upstream relay (:class:`~relay.track.RelayedTrack`).
 * PUBLISH: the publisher's track, fanned out and cached like a subscription.
 * FETCH (standalone): from the cache when it holds the whole range, even after the publisher
-  left; else passed to the publisher or the upstream relay and cached (:mod:`relay.fetch`).
+  left; else passed to the publisher or the upstream relay and cached (:mod:`relay.fetch`);
+  concurrent misses of one track and range share one upstream fetch.
   A joining FETCH gets the history the cache holds before the joined subscription's Largest.
 * No route: REQUEST_ERROR DOES_NOT_EXIST; not allowed: UNAUTHORIZED; tombstoned:
   MALFORMED_TRACK.
@@ -44,9 +46,7 @@ from moqt.messages import (
 )
 from moqt.session import SessionConfig
 from moqt.session_events import (
-    DatagramReceived,
     FetchReceived,
-    MalformedTrackDetected,
     PublishNamespaceDoneReceived,
     PublishNamespaceReceived,
     PublishOkReceived,
@@ -130,9 +130,12 @@ class Relay(Announcements):
             None if config.upstream is None else UpstreamLink(config.upstream, self._serve_upstream)
         )
         self._peers: set[Peer] = set()
+        self._gone_octets = (0, 0)  # (sent, received) by sessions that ended, for metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: MOQTServer | None = None
         self._evicting: asyncio.Task[None] | None = None
+        self._fetching: dict[tuple[TrackKey, Location, Location], asyncio.Future[None]] = {}
+        self.merged_fetches = 0  # FETCH misses that waited for another one's upstream fetch
         self.url = ""
         self._handlers: dict[type, Callable[[Peer, Any], None]] = {
             SubscribeReceived: self._on_subscribe,
@@ -147,8 +150,6 @@ class Relay(Announcements):
             RequestUpdateReceived: self._on_request_update,
             PublishOkReceived: self._on_publish_ok,
             RequestErrorReceived: self._on_offer_refused,
-            DatagramReceived: self._on_datagram,
-            MalformedTrackDetected: self._on_malformed,
         }
 
     # --- life ----------------------------------------------------------------------------------
@@ -216,7 +217,16 @@ class Relay(Announcements):
         await self._run_peer(Peer(connection, principal))
 
     async def _serve_upstream(self, connection: MOQTConnection) -> None:
-        await self._run_peer(Peer(connection, NOBODY))
+        await self._run_peer(Peer(connection, NOBODY, upstream=True))
+
+    def _forward_namespace(self, namespace: TrackNamespace, *, done: bool) -> None:
+        """Announce (or withdraw) a namespace at the upstream relay, if there is one."""
+        if self._upstream is None:
+            return
+        if done:
+            self._upstream.withdraw(namespace)
+        else:
+            self._upstream.announce(namespace)
 
     async def _run_peer(self, peer: Peer) -> None:
         self._peers.add(peer)
@@ -232,7 +242,22 @@ class Relay(Announcements):
         finally:
             self._peer_gone(peer)
 
+    def moqt_octets(self) -> tuple[int, int]:
+        """Object payload octets (sent, received) over every session so far (metrics)."""
+        sent, received = self._gone_octets
+        for peer in self._peers:
+            sent += peer.connection.session.payload_octets_sent
+            received += peer.connection.session.payload_octets_received
+        return sent, received
+
     def _peer_gone(self, peer: Peer) -> None:
+        if peer in self._peers:  # its octets join the totals once
+            session = peer.connection.session
+            sent, received = self._gone_octets
+            self._gone_octets = (
+                sent + session.payload_octets_sent,
+                received + session.payload_octets_received,
+            )
         self._peers.discard(peer)
         for request_id, track in peer.subscriptions.items():
             track.detach(peer.connection, request_id)
@@ -261,6 +286,11 @@ class Relay(Announcements):
         *,
         publish: bool = False,
     ) -> Principal | None:
+        if peer.upstream:  # the upstream relay reads what we announced to it, nothing else
+            if publish or self._upstream is None or not self._upstream.covers(namespace):
+                refuse(peer, request_id, RequestErrorCode.UNAUTHORIZED, "not authorized")
+                return None
+            return peer.principal
         principal = self._principal(peer, tokens)
         if principal is None or not access.may_access(principal, namespace, publish=publish):
             # the same answer whether or not anything of that namespace is cached here
@@ -285,7 +315,7 @@ class Relay(Announcements):
         track = self.tracks.get(key)
         if track is None:
             source = self._source(key, peer)
-            if source is None and self._upstream is None:
+            if source is None and (self._upstream is None or peer.upstream):
                 refuse(peer, event.request_id, RequestErrorCode.DOES_NOT_EXIST, "no route")
                 return
             track = self.tracks[key] = RelayedTrack(key, self.hooks)
@@ -302,13 +332,7 @@ class Relay(Announcements):
         if connection is None:
             track.fail(RequestErrorCode.DOES_NOT_EXIST, "the upstream relay is unreachable")
             return
-        owner = source or self._upstream_peer(connection)
-
-        def opened(request_id: int) -> None:
-            if owner is not None:
-                owner.upstream[request_id] = track
-
-        await track.subscribe(connection, first, on_open=opened)
+        await track.subscribe(connection, first)  # its data events, datagrams too, reach pump
 
     async def _source_connection(self, source: Peer | None) -> MOQTConnection | None:
         if source is not None:
@@ -320,9 +344,6 @@ class Relay(Announcements):
         except ConnectionError as exc:
             log.warning("%s", exc)
             return None
-
-    def _upstream_peer(self, connection: MOQTConnection) -> Peer | None:
-        return next((p for p in self._peers if p.connection is connection), None)
 
     def _on_unsubscribe(self, peer: Peer, event: UnsubscribeReceived) -> None:
         track = peer.subscriptions.pop(event.request_id, None)
@@ -348,7 +369,6 @@ class Relay(Announcements):
         peer.connection.transmit()
         track = self.tracks[key] = RelayedTrack(key, self.hooks, published=True)
         track.adopt(peer.connection, event.request_id, message.track_extensions)
-        peer.upstream[event.request_id] = track
         self._spawn(track.pump(peer.connection.track(event.request_id)))  # ends on its own
         for sub, _ in self.ns_subscribers.interested(key[0]):
             self._offer(sub.session, sub.request_id, track)
@@ -356,16 +376,6 @@ class Relay(Announcements):
     def _on_track_ended(self, track: RelayedTrack) -> None:
         if self.tracks.get(track.key) is track:
             del self.tracks[track.key]
-
-    def _on_datagram(self, peer: Peer, event: DatagramReceived) -> None:
-        track = peer.upstream.get(event.request_id)
-        if track is not None:
-            track.datagram(event.datagram)
-
-    def _on_malformed(self, peer: Peer, event: MalformedTrackDetected) -> None:
-        track = peer.upstream.get(event.request_id)
-        if track is not None:
-            track.malformed(event.reason, cancelled=True)
 
     def _on_request_update(self, peer: Peer, event: RequestUpdateReceived) -> None:
         peer.connection.session.request_ok(event.request_id)
@@ -432,13 +442,39 @@ class Relay(Announcements):
         self._spawn(serve_cached(peer.connection, rid, plan), peer)
 
     async def _fetch_upstream(self, peer: Peer, request_id: int, target: StandaloneFetch) -> None:
+        """A FETCH the cache cannot serve. Concurrent misses of one track and range share one
+        upstream fetch: the first goes upstream (objects forwarded as they arrive), the others
+        wait for it and are then served from the cache; if it did not bring the whole range
+        (failed, cancelled), the next waiter goes upstream itself."""
+        key = (target.track_namespace, target.track_name)
+        shared = (key, target.start, target.end)
+        while (leader := self._fetching.get(shared)) is not None:
+            self.merged_fetches += 1
+            await asyncio.shield(leader)
+            plan = self.cache.lookup(key, target.start, target.end, self.clock.now_ms())
+            if plan is Malformed.TRACK:
+                refuse(peer, request_id, RequestErrorCode.MALFORMED_TRACK, "malformed track")
+                return
+            if plan is not None:
+                await serve_cached(peer.connection, request_id, plan)
+                return
+        done = self._fetching[shared] = asyncio.get_running_loop().create_future()
+        try:
+            await self._fetch_from_source(peer, request_id, target)
+        finally:
+            del self._fetching[shared]
+            done.set_result(None)
+
+    async def _fetch_from_source(
+        self, peer: Peer, request_id: int, target: StandaloneFetch
+    ) -> None:
         key = (target.track_namespace, target.track_name)
         track = self.tracks.get(key)
         if track is not None and track.published and track.source is not None:
             connection: MOQTConnection | None = track.source
         else:
             source = self._source(key, peer)
-            if source is None and self._upstream is None:
+            if source is None and (self._upstream is None or peer.upstream):
                 refuse(peer, request_id, RequestErrorCode.DOES_NOT_EXIST, "not cached")
                 return
             connection = await self._source_connection(source)

@@ -8,10 +8,18 @@ established (d16: a relay needs an Established upstream subscription first). A P
 publisher is a track that is established from the start. When the last subscriber leaves, an
 upstream SUBSCRIBE is ended with UNSUBSCRIBE; a PUBLISH keeps flowing into the cache.
 
-A cached object that arrives again with a different payload makes the track malformed: the
-differing bytes are not forwarded, the downstream streams are reset and the subscriptions
-ended with MALFORMED_TRACK, the upstream request is cancelled, and the cache tombstones the
-track.
+Every data event of the upstream request reaches :meth:`RelayedTrack.pump` through the
+request's :class:`~moqt.asyncio.TrackReader`, datagrams included: an OBJECT_DATAGRAM is cached
+and forwarded to each subscriber as a datagram (d16: a relay keeps an object's forwarding
+preference; KV tracks use one subgroup stream, DESIGN §4, so only plain tracks carry them).
+
+A track is malformed (d16 §2.4.2) when a cached object arrives again with a different payload
+(found here, before the differing bytes are forwarded), or when the session finds it so while
+parsing (an object breaking the extension rules; the session has then stopped the upstream
+stream with MALFORMED_TRACK and cancelled the request). Either way the downstream streams are
+reset and the subscriptions ended with MALFORMED_TRACK, the upstream request is cancelled, and
+the cache tombstones the track. The sessions stay up: a malformed track is not a protocol
+violation.
 """
 
 from __future__ import annotations
@@ -23,13 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError, TrackReader
+from moqt.asyncio import (
+    MalformedTrackError,
+    MOQTConnection,
+    RequestRejected,
+    SessionClosedError,
+    TrackReader,
+)
 from moqt.errors import PublishDoneCode, RequestErrorCode, StreamResetCode
 from moqt.messages import MessageParameters, PublishOk, Subscribe
 from moqt.objects import ObjectDatagram, SubgroupHeader
 from moqt.session_events import (
+    DatagramReceived,
     DataStreamFinished,
     DataStreamReset,
+    MalformedTrackDetected,
     MOQTEvent,
     ObjectData,
     ObjectEnd,
@@ -163,15 +179,8 @@ class RelayedTrack:
 
     # --- upstream --------------------------------------------------------------------------------
 
-    async def subscribe(
-        self,
-        source: MOQTConnection,
-        first: Subscribe,
-        *,
-        on_open: Callable[[int], None] | None = None,
-    ) -> None:
-        """SUBSCRIBE upstream on ``source`` for the waiting subscribers, then relay objects;
-        ``on_open`` learns the upstream Request ID (to route its datagrams here)."""
+    async def subscribe(self, source: MOQTConnection, first: Subscribe) -> None:
+        """SUBSCRIBE upstream on ``source`` for the waiting subscribers, then relay objects."""
         self.source = source
         namespace, name = self.key
         params = MessageParameters(
@@ -186,8 +195,6 @@ class RelayedTrack:
             self.fail(RequestErrorCode.INTERNAL_ERROR, f"upstream unavailable: {exc}")
             return
         self.request_id = subscription.request_id
-        if on_open is not None:
-            on_open(subscription.request_id)
         self._established(subscription.ok.track_extensions)
         await self.pump(subscription.track)
 
@@ -234,6 +241,9 @@ class RelayedTrack:
                 code, reason = self._done
         except SessionClosedError:
             code, reason = PublishDoneCode.GOING_AWAY, "the publisher's session ended"
+        except MalformedTrackError as exc:  # normally seen first as MalformedTrackDetected
+            self.malformed(exc.reason, stream=exc.stream_id, cancelled=True)
+            return
         except asyncio.CancelledError:
             if self.state == TrackState.ENDED:
                 return  # ended on purpose (malformed, or the relay closes)
@@ -259,6 +269,11 @@ class RelayedTrack:
             self._on_stream_end(event)
         elif isinstance(event, PublishDoneReceived):
             self._done = (int(event.message.status_code), event.message.reason)
+        elif isinstance(event, DatagramReceived):
+            return self.datagram(event.datagram)
+        elif isinstance(event, MalformedTrackDetected):
+            # the session stopped the stream (MALFORMED_TRACK) and cancelled the request
+            return self.malformed(event.reason, stream=event.stream_id, cancelled=True)
         return True
 
     def _on_object(self, event: ObjectHeader, now: int) -> bool:
@@ -292,13 +307,16 @@ class RelayedTrack:
         self.hooks.on_cached()
         return True
 
-    def datagram(self, datagram: ObjectDatagram) -> None:
-        """An upstream datagram of this track."""
+    def datagram(self, datagram: ObjectDatagram) -> bool:
+        """An upstream datagram of this track: cached, then forwarded as a datagram.
+        False once the track is malformed (a differing copy of a cached object)."""
         if self.state != TrackState.ESTABLISHED:
-            return
-        if self._ended(self._ingest.datagram(datagram, self.hooks.now_ms()), None):
-            for downstream in self.downstreams.values():
-                downstream.datagram(datagram)
+            return True
+        if not self._ended(self._ingest.datagram(datagram, self.hooks.now_ms()), None):
+            return False
+        for downstream in self.downstreams.values():
+            downstream.datagram(datagram)
+        return True
 
     def malformed(self, reason: str, *, stream: int | None = None, cancelled: bool = False) -> bool:
         """End the track as malformed (d16): reset what was being forwarded, PUBLISH_DONE

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Self
+from typing import Any, Literal, Protocol, Self
 
 import httpx
 import numpy as np
@@ -709,6 +709,21 @@ def block_base(record: ReplicaRecord) -> str:
     return _http_base(record.holder)
 
 
+def source_base(record: ReplicaRecord) -> str:
+    """Where the record's block is served, over HTTP or MOQT: its ``holder``, ending in ``/``.
+
+    Raises:
+        UnsupportedHolder: neither an ``http``/``https`` nor a ``moqt`` URI.
+    """
+    if _is_moqt(record.holder):
+        return record.holder if record.holder.endswith("/") else record.holder + "/"
+    return _http_base(record.holder)
+
+
+def _is_moqt(uri: str) -> bool:
+    return uri[:7].lower() == "moqt://"
+
+
 def lease_base(record: ReplicaRecord) -> str:
     """Where leases on the record's replica are taken: ``lease_base`` or else ``holder``.
 
@@ -750,12 +765,36 @@ def _error_of(response: BulkResponse) -> KVSPError:
     return problem_error(answer)
 
 
+class MoqtGetter(Protocol):
+    """What :class:`BlockClient` hands ``moqt://`` replicas to:
+    :class:`~kvsp.services.moqt_transport.MoqtBlockClient`."""
+
+    async def get_block(
+        self,
+        record: ReplicaRecord,
+        *,
+        layers: tuple[int, int] | None = None,
+        geometry: Geometry,
+        block_tokens: int | None = None,
+        sink: LayerSink | None = None,
+        holder: str | None = None,
+    ) -> VerifiedBlock:
+        """The verified block, FETCHed from ``holder`` (DESIGN §4)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close its sessions."""
+        ...
+
+
 class BlockClient:
     """Gets, stores and leases blocks at holders over the bulk path (use ``async with``).
 
     ``bulk`` shares a :class:`~kvsp.services.bulk.BulkClient` (not closed here);
     ``executor`` the verification threads (default: a pool of ``workers`` made here).
-    ``hashing`` places the verification passes (see :class:`VerifyingBody`).
+    ``hashing`` places the verification passes (see :class:`VerifyingBody`). With ``moqt``
+    (closed with this client) :meth:`get_block` and :meth:`fetch` also serve ``moqt://``
+    replicas (a relay's) through it; leases stay HTTP (a relay's ``lease_base``).
     """
 
     def __init__(
@@ -769,8 +808,10 @@ class BlockClient:
         hashing: Hashing = "slices",
         slice_step: int = SLICE_STEP,
         stats: FetchStats | None = None,
+        moqt: MoqtGetter | None = None,
     ) -> None:
         self._auth = {} if token is None else {"authorization": f"Bearer {token}"}
+        self.moqt = moqt
         self._owns_bulk = bulk is None
         self.bulk = bulk or BulkClient(timeout=timeout)
         self._owns_executor = executor is None and hashing != "inline"
@@ -788,7 +829,9 @@ class BlockClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the bulk client and the worker pool, if made here."""
+        """Close the MOQT client, and the bulk client and the worker pool if made here."""
+        if self.moqt is not None:
+            await self.moqt.aclose()
         if self._owns_bulk:
             await self.bulk.aclose()
         if self._owns_executor and self._executor is not None:
@@ -817,10 +860,17 @@ class BlockClient:
             ContainerError: the body is not a KVB1 container of ``geometry``.
             Incompatible: other layers or codec than asked, or layers the record cannot
                 verify (no ``layer_digests``).
-            UnsupportedHolder: ``holder_base`` is not an HTTP URI.
+            UnsupportedHolder: ``holder_base`` is not an HTTP URI (nor a ``moqt`` one with
+                ``moqt`` set).
             TransportError: connection failed, broke off or timed out; malformed HTTP.
             KVSPError: any other problem the holder answered.
         """
+        if self.moqt is not None and _is_moqt(holder_base):
+            if codec is not None and codec != record.codec:
+                raise Incompatible("a MOQT holder serves the replica's codec only")
+            return await self.moqt.get_block(
+                record, layers=layers, geometry=geometry, sink=sink, holder=holder_base
+            )
         base = _http_base(holder_base)
         plan = _plan(record, layers, geometry, codec)
         query = f"?layers={plan.first}-{plan.last}" if layers is not None else ""
@@ -878,12 +928,12 @@ class BlockClient:
 
         A 404, a broken, refused or slow connection, malformed HTTP, a digest mismatch or any
         other KVSP error at one replica means "try the next" (§6.1: the index is advisory);
-        replicas not served over HTTP (``moqt://``) are skipped. Each attempt is recorded in
+        ``moqt://`` replicas are skipped unless ``moqt`` is set. Each attempt is recorded in
         :attr:`stats`.
         """
         for record in replicas:
             try:
-                base = block_base(record)
+                base = block_base(record) if self.moqt is None else source_base(record)
             except UnsupportedHolder:
                 continue
             started = time.perf_counter()

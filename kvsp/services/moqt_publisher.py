@@ -4,7 +4,9 @@
 consumer's session to the instance). It PUBLISH_NAMESPACEs the four-field scope prefix, answers
 a standalone FETCH of a stored block track (named by the replica digest) with the asked layers
 on one fetch stream, answers SUBSCRIBE of a stored track with the whole block on one subgroup
-stream (object id = layer, ascending, END_OF_GROUP, FIN), and answers SUBSCRIBE of a live track
+stream (object id = layer, ascending, END_OF_GROUP, FIN), PUBLISHes a stored track to the peer
+and sends it the same way (:meth:`MoqtBlockPublisher.push`: how an instance hands a block it
+computed to its relay, which caches it), and answers SUBSCRIBE of a live track
 (``live-<uri_id(producer)>``, a block still being computed, fed by :class:`LiveWriter`) with each
 layer as it is produced. Every object is one layer: its payload K ‖ V is written as two pieces
 straight from the block's memory, never joined, and its layer digest travels inside
@@ -477,16 +479,22 @@ class MoqtBlockPublisher:
         if isinstance(found, LiveTrack):
             await self._send_live(rid, found)
             return
-        first = found.container.first_layer
-        last = first + found.container.layer_count - 1
-        layers = self._layers_of(found, first, last) or []
-        session = self.connection.session
-        session.subscribe_ok(
+        last = found.container.first_layer + found.container.layer_count - 1
+        self.connection.session.subscribe_ok(
             rid,
             # d16 §9.10: LARGEST_OBJECT MUST be present when objects exist
             parameters=MessageParameters(largest_object=Location(KV_GROUP, last)),
             track_extensions=self._track_extensions(found.ttl_ms),
         )
+        await self._send_stored(rid, found)
+
+    async def _send_stored(self, rid: int, block: StoredBlock) -> None:
+        """The held layers of ``block`` on one subgroup stream (object = layer, ascending,
+        END_OF_GROUP, FIN), then PUBLISH_DONE."""
+        first = block.container.first_layer
+        last = first + block.container.layer_count - 1
+        layers = self._layers_of(block, first, last) or []
+        session = self.connection.session
         stream_id = await self.connection.open_subgroup(rid, KV_GROUP, end_of_group=True)
         for index, (k, v, digest) in enumerate(layers, start=first):
             session.begin_object(
@@ -495,6 +503,34 @@ class MoqtBlockPublisher:
             await self._write(stream_id, k, v, end_stream=index == last)
         session.publish_done(rid, PublishDoneCode.TRACK_ENDED)
         self.connection.transmit()
+
+    async def push(self, block: StoredBlock) -> bool:
+        """PUBLISH ``block``'s stored track to the peer (a relay, which caches it) and send the
+        whole block on it; False when the peer's PUBLISH_OK asked for no objects (FORWARD 0).
+
+        Raises:
+            Incompatible: a partial block (a stored track carries layers 0..L-1).
+            RequestRejected: the peer refused. SessionClosedError: the session ended.
+        """
+        if block.container.first_layer != 0 or block.container.layer_count != len(
+            block.layer_digests
+        ):
+            raise Incompatible("only a complete block is published as its stored track")
+        publication = await self.connection.publish(
+            block.namespace,
+            block.track_name,
+            track_extensions=self._track_extensions(block.ttl_ms),
+        )
+        rid = publication.request_id
+        if publication.ok.parameters.forward == 0:  # d16 §9.14: the peer wants none now
+            self._answer(
+                lambda: self.connection.session.publish_done(
+                    rid, PublishDoneCode.TRACK_ENDED, stream_count=0
+                )
+            )
+            return False
+        await self._send_stored(rid, block)
+        return True
 
     async def _send_live(self, rid: int, track: LiveTrack) -> None:
         session = self.connection.session

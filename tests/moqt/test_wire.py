@@ -177,6 +177,29 @@ def test_kvp_round_trip(pairs: list[tuple[int, int | bytes]]) -> None:
     assert read_kvps(Reader(encoded), len(pairs)) == tuple(pairs)
 
 
+def _cursor_decode(data: bytes) -> tuple[KeyValuePair, ...] | type[MOQTError]:
+    """The Reader-based reading the fast block decoder must agree with."""
+    try:
+        return read_kvps_to_end(Reader(data))
+    except NeedMoreData:
+        return KeyValueFormattingError
+    except MOQTError as exc:
+        return type(exc)
+
+
+@given(st.one_of(kvp_lists.map(encode_kvps), st.binary(max_size=64)))
+def test_kvp_block_decoder_agrees_with_the_reader(data: bytes) -> None:
+    """decode_kvp_block (the per-object fast path) parses or fails exactly as the Reader does,
+    whether given bytes or a memoryview."""
+    expected = _cursor_decode(data)
+    for given_as in (data, memoryview(data), bytearray(data)):
+        if isinstance(expected, tuple):
+            assert decode_kvp_block(given_as) == expected
+        else:
+            with pytest.raises(expected):
+                decode_kvp_block(given_as)
+
+
 # --- Track Namespace / Full Track Name (§2.4.1) ------------------------------------------------
 
 

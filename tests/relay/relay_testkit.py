@@ -97,8 +97,9 @@ class Track:
 class Publisher:
     """A client that announces namespaces and answers the relay's SUBSCRIBE and FETCH.
 
-    Subscription objects are sent once ``release`` is set; ``versions`` lets a track's
-    payloads change between subscriptions (a buggy publisher, for the malformed-track test).
+    Subscription objects are sent once ``release`` is set, FETCH answers once ``answer_fetches``
+    is (set from the start); ``versions`` lets a track's payloads change between subscriptions
+    (a buggy publisher, for the malformed-track test).
     """
 
     connection: MOQTConnection
@@ -109,6 +110,7 @@ class Publisher:
     unsubscribes: int = 0
     versions: list[Track] = field(default_factory=list)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    answer_fetches: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
 
     async def announce(self, namespace: TrackNamespace) -> None:
         await self.connection.publish_namespace(namespace)
@@ -160,6 +162,9 @@ class Publisher:
             self.connection.transmit()
             return
         self.fetches += 1
+        await self.answer_fetches.wait()
+        if event.request_id not in session.requests:
+            return  # cancelled (FETCH_CANCEL) while held back
         first = target.start.object
         last = len(track.objects) - 1 if target.end.object == 0 else target.end.object - 1
         last = min(last, len(track.objects) - 1)
@@ -180,6 +185,11 @@ class Publisher:
                 extensions=extensions,
                 end_stream=index == last,
             )
+
+
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
 
 
 def relay_config(certs: Certs, **overrides: Any) -> RelayConfig:

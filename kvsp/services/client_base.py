@@ -10,7 +10,8 @@ with ``Authorization: Bearer``, and turns every failure into a :class:`~kvsp.err
 * any other non-2xx answer, and a 2xx answer whose body is not the JSON asked for, becomes a
   :class:`RemoteError` (502 ``kvsp-upstream-error``, carrying the peer's status and body);
 * an httpx transport failure (connect, timeout, reset, protocol) becomes a
-  :class:`TransportError` (502 ``kvsp-unreachable``) raised ``from`` the httpx exception.
+  :class:`TransportError` (502 ``kvsp-unreachable``) raised ``from`` the httpx exception, as
+  does the ``AttributeError`` httpcore raises when the peer dies just after accepting.
 
 The two 502 problem names are ours (DESIGN §3 lists the others): a service that lets either
 propagate answers its own client "Bad gateway", which is what happened.
@@ -225,6 +226,10 @@ class BaseClient:
             )
         except httpx.RequestError as exc:
             raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        except AttributeError as exc:
+            # httpcore on anyio, when the peer dies between accepting the connection and the
+            # first read: the closed socket is None when asked for its peer name
+            raise TransportError(f"{method} {path}: connection lost: {exc}") from exc
         if response.is_success or (accept_404 and response.status_code == 404):
             return response
         raise problem_error(response)

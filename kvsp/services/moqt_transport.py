@@ -65,6 +65,7 @@ from moqt.asyncio import (
     MOQTConnection,
     RequestRejected,
     SessionClosedError,
+    Subscription,
     connect,
 )
 from moqt.backend import TransportConfig, get_backend
@@ -383,6 +384,7 @@ class MoqtBlockClient:
         self.timeout = timeout
         self._sessions: dict[MoqtAddress, tuple[contextlib.AsyncExitStack, MOQTConnection]] = {}
         self._locks: dict[MoqtAddress, asyncio.Lock] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> Self:
         return self
@@ -396,6 +398,20 @@ class MoqtBlockClient:
         for stack, _ in sessions.values():
             with contextlib.suppress(Exception):
                 await stack.aclose()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def _forget(self, address: MoqtAddress, connection: MOQTConnection) -> None:
+        """Drop a pooled session that stopped answering (its peer died, or restarted and no
+        longer knows it), so that the next request connects anew instead of waiting on it
+        until QUIC's idle timeout; it is closed in the background."""
+        entry = self._sessions.get(address)
+        if entry is None or entry[1] is not connection:
+            return
+        del self._sessions[address]
+        task = asyncio.ensure_future(_close_quietly(entry[0]))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def connection(self, address: MoqtAddress) -> MOQTConnection:
         """The pooled session to ``address`` (connecting when there is none or it ended).
@@ -533,6 +549,7 @@ class MoqtBlockClient:
             if not reader.ended:
                 _cancel(connection, response.request_id)
         if watchdog.fired:
+            self._forget(plan.address, connection)
             raise TransportError(f"no data from {plan.record.holder} for {self.timeout} s")
         if not assembler.complete:
             raise LayersUnavailable("the fetch ended before every layer arrived")
@@ -554,6 +571,7 @@ class MoqtBlockClient:
         except RequestRejected as exc:
             raise _rejected(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
+            self._forget(plan.address, connection)
             raise TransportError(f"FETCH of {plan.record.holder} failed: {exc!r}") from exc
 
     def subscribe_live(
@@ -606,15 +624,9 @@ class MoqtBlockClient:
         stream: BlockStream[LiveBlock],
     ) -> AsyncGenerator[Layer, None]:
         assembler = make_assembler()
-        connection = await self.connection(parse_moqt_uri(holder))
-        try:
-            subscription = await asyncio.wait_for(
-                connection.subscribe(namespace, track), self.timeout
-            )
-        except RequestRejected as exc:
-            raise _rejected(exc) from exc
-        except (SessionClosedError, TimeoutError) as exc:
-            raise TransportError(f"SUBSCRIBE at {holder} failed: {exc!r}") from exc
+        address = parse_moqt_uri(holder)
+        connection = await self.connection(address)
+        subscription = await self._request_subscribe(connection, address, namespace, track)
         objects = _Objects(assembler)
         digests: dict[int, bytes] = {}
         pending: list[Layer] = []
@@ -645,6 +657,8 @@ class MoqtBlockClient:
             if not reader.ended:
                 _cancel(connection, subscription.request_id, fetch=False)
         if not assembler.complete:
+            if watchdog.fired:
+                self._forget(address, connection)
             why = "stalled" if watchdog.fired else "ended"
             raise TransportError(f"the live track {why} before every layer arrived")
         ordered = [digests[i] for i in range(assembler.count)]
@@ -666,6 +680,22 @@ class MoqtBlockClient:
             in_band_verified=not pending,
         )
 
+    async def _request_subscribe(
+        self,
+        connection: MOQTConnection,
+        address: MoqtAddress,
+        namespace: TrackNamespace,
+        track: bytes,
+    ) -> Subscription:
+        try:
+            return await asyncio.wait_for(connection.subscribe(namespace, track), self.timeout)
+        except RequestRejected as exc:
+            raise _rejected(exc) from exc
+        except (SessionClosedError, TimeoutError) as exc:
+            self._forget(address, connection)
+            where = f"{address.host}:{address.port}"
+            raise TransportError(f"SUBSCRIBE at {where} failed: {exc!r}") from exc
+
 
 def _cancel(connection: MOQTConnection, request_id: int, *, fetch: bool = True) -> None:
     """FETCH_CANCEL or UNSUBSCRIBE, unless the request or session has already ended."""
@@ -674,6 +704,11 @@ def _cancel(connection: MOQTConnection, request_id: int, *, fetch: bool = True) 
             connection.fetch_cancel(request_id)
         else:
             connection.unsubscribe(request_id)
+
+
+async def _close_quietly(stack: contextlib.AsyncExitStack) -> None:
+    with contextlib.suppress(Exception):
+        await stack.aclose()
 
 
 async def _resolve(record: RecordSource) -> ReplicaRecord | None:

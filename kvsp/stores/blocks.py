@@ -621,7 +621,7 @@ def _remove_pair(path: Path) -> None:
 
 def _scan(root: Path, dropped: list[Dropped]) -> Iterator[tuple[Path, BlockRef]]:
     """Yield each ``<compat>/<scope>/<key>.kvb`` under ``root``; delete leftovers of
-    interrupted writes and sidecars without octets."""
+    interrupted writes and sidecars without octets (noting both blocks as dropped)."""
     for compat_dir in sorted(root.iterdir()):
         for scope_dir in sorted(compat_dir.iterdir()) if compat_dir.is_dir() else ():
             for path in sorted(scope_dir.iterdir()) if scope_dir.is_dir() else ():
@@ -630,6 +630,8 @@ def _scan(root: Path, dropped: list[Dropped]) -> Iterator[tuple[Path, BlockRef]]
                     path.unlink(missing_ok=True)  # a temporary file or a stranger
                 elif path.suffix == SIDECAR_SUFFIX:
                     if not path.with_suffix(DATA_SUFFIX).exists():
+                        # its octets are gone: a record published before may still name it
+                        dropped.append(Dropped(ref, "no data file"))
                         path.unlink(missing_ok=True)
                 elif path.suffix != DATA_SUFFIX:
                     path.unlink(missing_ok=True)

@@ -13,7 +13,7 @@ Where the octets go:
 * without one, a K or V section that lies wholly inside one immutable ``bytes`` chunk is
   yielded as a view of that chunk (no copy); any other section is assembled in a fresh buffer
   of its own, which the caller then owns. The reader never stages more than the layer in
-  progress.
+  progress, and a section longer than :data:`EAGER_SECTION` grows as its octets arrive.
 
 Each layer is verified against the Replica Record's ``layer_digests`` as it completes (§6.7),
 hashing the octets as they pass, and a running SHA-256 over everything fed lets an HTTP client
@@ -47,6 +47,11 @@ from kvsp.errors import ContainerError, DigestMismatch
 
 if TYPE_CHECKING:
     from hashlib import _Hash
+
+
+EAGER_SECTION = 1 << 20
+"""Sections up to this many octets get their whole buffer on their first octet; longer ones
+grow as their octets arrive, so memory follows what a peer sent, not what it declared."""
 
 
 class LayerSink(Protocol):
@@ -99,6 +104,7 @@ class ContainerReader:
         self._section = 0  # of that layer: 0 for K, 1 for V
         self._pos = 0  # octets of that section received
         self._views: list[memoryview | None] = [None, None]  # the layer's K and V destinations
+        self._growing = bytearray()  # a section beyond EAGER_SECTION, as much as has arrived
         self._layer_hash: _Hash | None = None
         self._digests: list[bytes] = []
         self._fed = 0
@@ -219,6 +225,9 @@ class ContainerReader:
             self._layer_hash.update(piece)
         if n == length and stable and self._sink is None:
             self._views[section] = piece  # the whole section in one immutable chunk
+        elif self._sink is None and length > EAGER_SECTION:
+            # staged as it arrives: a declared length alone never allocates its octets
+            self._growing += piece
         else:
             dst = self._views[section]
             if dst is None:
@@ -252,8 +261,9 @@ class ContainerReader:
         while self._layer < header.layer_count:
             if self._pos < lengths[self._layer][self._section]:
                 return
-            if views[self._section] is None:
-                views[self._section] = memoryview(b"")
+            if views[self._section] is None:  # empty, or staged in _growing
+                views[self._section] = memoryview(self._growing)
+                self._growing = bytearray()
             self._pos = 0
             if self._section == 0:
                 self._section = 1

@@ -1,5 +1,6 @@
-# The two documented commands: `make run` (set up from a fresh clone, run the main job) and
-# `make test` (set up, then run the whole test suite). Everything else is a step of those.
+# The two documented commands: `make run` (set up from a fresh clone, then `kvsp demo`: a
+# local cluster plays the protocol and prints a report) and `make test` (set up, then run the
+# whole test suite). Everything else is a step of those.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvsp
+	$(BIN)/kvsp demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

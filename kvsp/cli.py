@@ -206,7 +206,7 @@ def _add_serve_commands(sub: Any, load: bool) -> None:
     so the core commands start without importing the HTTP stack."""
     import importlib
 
-    from kvsp.services.cliargs import add_common_arguments
+    from kvsp.services.cliargs import add_common_arguments, with_logging
 
     serve = sub.add_parser("serve", help="run a KVSP service (kvsp serve -h lists them)")
     if not load:
@@ -222,7 +222,45 @@ def _add_serve_commands(sub: Any, load: bool) -> None:
         p = ssub.add_parser(name, help=help_text)
         add_common_arguments(p, port)
         module.configure_parser(p)
-        p.set_defaults(handler=module.run)
+        p.set_defaults(handler=with_logging(module.run))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvsp.services.frontend import run_generate  # the HTTP stack loads only for this
+
+    return run_generate(args)
+
+
+def _add_generate_command(sub: Any) -> None:
+    """Add ``kvsp generate``: place a session through the PC and print its tokens as they
+    come, following it across instance failures (§6.8)."""
+    p = sub.add_parser("generate", help="generate through the PC, surviving instance failures")
+    p.add_argument("--pc", required=True, metavar="URL", help="the PC (or kvsp serve control)")
+    p.add_argument("--token-file", required=True, type=Path, metavar="FILE")
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--descriptor", metavar="D.json", help="the Compatibility Descriptor")
+    model.add_argument("--compat-id", metavar="HEX32", help="read the descriptor from the PC")
+    scope = p.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--scope-key-file", type=Path, metavar="FILE", help="scope key (hex)")
+    scope.add_argument("--scope-id", metavar="HEX16", help="the scope, when its key is not at hand")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="text, as UTF-8 byte tokens")
+    prompt.add_argument("--tokens", metavar="1,2,3", help="token ids")
+    p.add_argument("--max-tokens", type=int, default=32, metavar="N")
+    p.add_argument(
+        "--sampler", default="greedy", choices=["greedy", "temperature", "top-k", "top-p"]
+    )
+    p.add_argument("--p", type=float, metavar="P", help="top-p mass")
+    p.add_argument("--k", type=int, metavar="K", help="top-k count")
+    p.add_argument("--temperature", type=float, metavar="T")
+    p.add_argument("--seed", type=int, metavar="N", help="sampler seed (none: not reproducible)")
+    p.add_argument(
+        "--non-deterministic",
+        action="store_true",
+        help="release no token before the PC acknowledged a checkpoint covering it",
+    )
+    p.add_argument("--text", action="store_true", help="print byte tokens as text, not NDJSON")
+    p.set_defaults(handler=_cmd_generate)
 
 
 def _add_sim_command(sub: Any, load: bool) -> None:
@@ -283,7 +321,7 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
         "--role",
         required=True,
         action="append",
-        choices=["holder", "instance", "pc", "client", "admin"],
+        choices=["holder", "instance", "pc", "client", "admin", "metrics"],
         help="repeat for several roles",
     )
     p.add_argument(
@@ -302,6 +340,10 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
     from kvsp.engine.cli import configure_model_parser  # torch is imported by its handlers only
 
     configure_model_parser(sub)
+    from kvsp.demo.cli import add_demo_commands  # the cluster modules load in its handlers
+
+    add_demo_commands(sub)
+    _add_generate_command(sub)
     _add_sim_command(sub, load_sim)
     _add_serve_commands(sub, load_services)
     return parser

@@ -1,0 +1,169 @@
+"""``kvsp status``: a running cluster as tables (spec §6.3 instance status and lifecycle, §6.1
+replicas, §6.8 sessions; DESIGN.md §3 resource table).
+
+It reads the endpoints from a state folder's ``cluster.json`` (written by ``kvsp up`` and
+``kvsp demo`` while they run) with the folder's ``admin.token``, or takes ``--pc URL`` and
+``--token-file`` for any control plane. Tables:
+
+* instances: ``GET instances`` at the PC: state, the state last reported, load, epoch;
+* replicas per holder: ``GET replicas`` at the IS (live records and octets per holder), when
+  the IS offers it;
+* sessions: ``GET sessions`` at the PC, when the PC lists them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvsp.demo.console import Console
+from kvsp.demo.procs import ClusterError
+from kvsp.demo.state import Endpoints, StateFolder
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Which control plane to ask, with what token, and the names it knows for URLs."""
+
+    control: str
+    token: str
+    names: dict[str, str]
+    endpoints: Endpoints | None = None
+
+
+def target_from_state(state: Path) -> Target:
+    """The control plane of the cluster running from ``state``.
+
+    Raises:
+        ClusterError: no cluster runs from that folder (no ``cluster.json``) or no token.
+    """
+    files = StateFolder(state)
+    try:
+        text = files.cluster_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ClusterError(
+            f"no cluster runs from {state} (no cluster.json); start one with `kvsp up`, or "
+            "give --pc URL --token-file FILE"
+        ) from None
+    try:
+        endpoints = Endpoints.from_json(json.loads(text))
+    except ValueError as exc:
+        raise ClusterError(f"{files.cluster_file}: not JSON ({exc})") from None
+    names = {url: f"instance {name}" for name, url in endpoints.instances.items()}
+    for url in (endpoints.relay_moqt, endpoints.relay_http):
+        if url:
+            names[url] = "relay"
+    return Target(endpoints.control, files.read_token("admin"), names, endpoints)
+
+
+def target_from_options(pc: str, token_file: Path) -> Target:
+    """The control plane at ``pc`` with the token in ``token_file``.
+
+    Raises:
+        ClusterError: the token file is unreadable or empty.
+    """
+    try:
+        token = token_file.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ClusterError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
+    if not token:
+        raise ClusterError(f"--token-file {token_file} is empty")
+    return Target(pc if pc.endswith("/") else pc + "/", token, {})
+
+
+def print_status(console: Console, target: Target) -> int:
+    """Print the tables; 0 when the control plane answered, 1 when it did not.
+
+    Raises:
+        ClusterError: the control plane refused the token.
+    """
+    headers = {"authorization": f"Bearer {target.token}"}
+    with httpx.Client(base_url=target.control, headers=headers, timeout=10) as http:
+        try:
+            listed = http.get("instances")
+        except httpx.TransportError as exc:
+            console.line(f"the control plane at {target.control} does not answer: {exc}")
+            return 1
+        if listed.status_code in (401, 403):
+            raise ClusterError(f"the control plane refused the token ({listed.status_code})")
+        if target.endpoints is not None:
+            _endpoints(console, target.endpoints)
+        _instances(console, target, listed)
+        print_replicas(console, target.names, http.get("replicas"))
+        _sessions(console, http.get("sessions"))
+    return 0
+
+
+def _endpoints(console: Console, e: Endpoints) -> None:
+    console.heading("Endpoints")
+    rows: list[list[object]] = [["control plane (IS + PC)", e.control, e.pids.get("control")]]
+    if e.relay_moqt:
+        rows.append(["relay (MOQT)", e.relay_moqt, e.pids.get("relay")])
+        rows.append(["relay (HTTP holder face)", e.relay_http, None])
+    for name, url in e.instances.items():
+        rows.append([f"instance {name}", url, e.pids.get(f"instance-{name}")])
+    console.table(["service", "URL", "pid"], rows)
+
+
+def _instances(console: Console, target: Target, answer: httpx.Response) -> None:
+    console.heading("Instances (PC)")
+    if answer.status_code != 200:
+        console.line(f"GET instances answered {answer.status_code}")
+        return
+    rows = [
+        [
+            target.names.get(r["instance"], r["instance"]),
+            r["state"],
+            r["reported_state"],
+            r["running"] + r["queued"],
+            r["running"],
+            r["queued"],
+            r["epoch"],
+            f"{100 * float(r.get('kv_utilization', 0)):.0f}%",
+            r["age_ms"],
+        ]
+        for r in answer.json().get("instances", [])
+    ]
+    headers = ["instance", "state", "reported", "load", "running", "queued", "epoch", "KV"]
+    console.table([*headers, "age ms"], rows)
+    if not rows:
+        console.line("(no instance has reported yet)")
+
+
+def print_replicas(console: Console, names: dict[str, str], answer: httpx.Response) -> None:
+    """The table of ``GET replicas`` at the IS (``names`` maps URLs to short names)."""
+    console.heading("Replicas per holder (IS)")
+    if answer.status_code != 200:
+        console.line(f"(this Index Service does not list replicas: GET replicas {_why(answer)})")
+        return
+    rows = [
+        [names.get(h["holder"], h["holder"]), h["replicas"], round(h["octets"] / 1024)]
+        for h in answer.json().get("holders", [])
+    ]
+    console.table(["holder", "replicas", "KiB"], rows)
+    if not rows:
+        console.line("(no live replica records)")
+
+
+def _sessions(console: Console, answer: httpx.Response) -> None:
+    console.heading("Sessions (PC)")
+    if answer.status_code != 200:
+        console.line(f"(the PC does not list sessions: GET sessions {_why(answer)})")
+        return
+    sessions: list[dict[str, Any]] = answer.json().get("sessions", [])
+    keys = sorted({k for s in sessions for k in s if not isinstance(s[k], dict | list)})
+    console.table(keys, [[s.get(k) for k in keys] for s in sessions])
+    if not sessions:
+        console.line("(no sessions)")
+
+
+def _why(answer: httpx.Response) -> str:
+    try:
+        title = answer.json().get("title", "")
+    except ValueError:
+        title = ""
+    return f"answered {answer.status_code}" + (f" {title}" if title else "")

@@ -160,11 +160,12 @@ class DirectiveProgress:
 class DirectiveBook:
     """The directives an instance knows, by id, keeping at most ``keep`` that have stopped."""
 
-    __slots__ = ("_by_id", "keep")
+    __slots__ = ("_by_id", "_forgotten", "keep")
 
     def __init__(self, keep: int = 4096) -> None:
         self.keep = keep
         self._by_id: OrderedDict[uuid.UUID, DirectiveProgress] = OrderedDict()
+        self._forgotten: dict[DirectiveState, int] = {}  # final states of pruned directives
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -203,10 +204,19 @@ class DirectiveBook:
         """The directives still loading."""
         return [p for p in self._by_id.values() if not p.final]
 
+    def outcome_counts(self) -> dict[DirectiveState, int]:
+        """How many directives are in each state, counting forgotten ones by their final
+        state: since start, for operations metrics."""
+        counts = dict(self._forgotten)
+        for progress in self._by_id.values():
+            counts[progress.state] = counts.get(progress.state, 0) + 1
+        return counts
+
     def _prune(self) -> None:
         stopped = [d for d, p in self._by_id.items() if p.final]
         for directive in stopped[: max(0, len(stopped) - self.keep)]:
-            del self._by_id[directive]
+            state = self._by_id.pop(directive).state
+            self._forgotten[state] = self._forgotten.get(state, 0) + 1
 
 
 class LinkMeter:
@@ -216,6 +226,8 @@ class LinkMeter:
         self.window = window
         self._rtt: dict[str, deque[float]] = {}
         self._transfers: dict[str, deque[tuple[int, float]]] = {}
+        self.octets_total = 0
+        """Octets of every verified block received so far (operations metrics)."""
 
     def record_rtt(self, holder: str, seconds: float) -> None:
         """A request/answer round trip to ``holder`` (time to the first byte of the answer)."""
@@ -224,6 +236,7 @@ class LinkMeter:
     def record_transfer(self, holder: str, octets: int, seconds: float) -> None:
         """A verified block of ``octets`` received from ``holder`` in ``seconds``."""
         self._transfers.setdefault(holder, deque(maxlen=self.window)).append((octets, seconds))
+        self.octets_total += octets
 
     def links(self) -> tuple[Link, ...]:
         """One link per holder with both a transfer and a round trip observed."""

@@ -28,7 +28,8 @@ from starlette.requests import Request
 from kvsp.errors import BadRequest, Forbidden, Unauthorized
 from kvsp.services.clock import Clock
 
-ROLES = frozenset({"holder", "instance", "pc", "client", "admin"})
+ROLES = frozenset({"holder", "instance", "pc", "client", "admin", "metrics"})
+"""``metrics`` may only read ``/metrics`` (:mod:`kvsp.services.metrics`); admin has every role."""
 ALL_SCOPES = "*"
 PRINCIPALS_FILE = "principals.toml"
 ADMIN_TOKEN_FILE = "admin.token"

@@ -1,6 +1,6 @@
 """The control plane in one process: the Index Service and the Placement Controller over one
-in-memory store (DESIGN.md §1: "IS and PC may run in one process (``kvsp serve control``, the
-default)"). Started by ``kvsp serve control``.
+store, in memory or in Redis with ``--store`` (DESIGN.md §1: "IS and PC may run in one process
+(``kvsp serve control``, the default)"). Started by ``kvsp serve control``.
 
 The app serves the IS routes, the descriptor routes and the PC routes. ``PUT
 instances/{instance_id}/status`` is the PC's here (the lifecycle authority, §6.3): the PC
@@ -27,13 +27,14 @@ from kvsp.services.auth import Principals
 from kvsp.services.cliargs import load_principals, serve_config
 from kvsp.services.clock import Clock, SystemClock
 from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes
+from kvsp.services.http import install_operations
 from kvsp.services.index_app import (
     IndexConfig,
     Lifespan,
-    descriptor_registry,
     index_config,
     index_lifespan,
     index_routes,
+    open_store,
 )
 from kvsp.services.index_app import configure_parser as configure_index_parser
 from kvsp.services.pc import InstancePeers, PCConfig, PlacementController, ScaleUpHook
@@ -42,15 +43,17 @@ from kvsp.services.pc_app import (
     add_pc_arguments,
     closing,
     directive_token,
+    open_pc_stores,
     pc_config,
     pc_lifespan,
     pc_routes,
     scale_up_hook,
 )
+from kvsp.services.pc_reshard import coordinator_for, reshard_routes
 from kvsp.services.problems import install_problem_handlers
 from kvsp.services.runner import serve
 from kvsp.stores.base import ReplicaStore
-from kvsp.stores.memory import MemoryStore
+from kvsp.stores.sessions import SessionStore
 
 STATUS_PATH = "/instances/{instance_id}/status"
 _record = operator.itemgetter(0)  # (record, expires_ms) -> record
@@ -113,9 +116,11 @@ def create_control_app(
     scale_up: ScaleUpHook | None = None,
     extra_routes: Sequence[BaseRoute] = (),
     extra_lifespans: Sequence[Lifespan] = (),
+    sessions: SessionStore | None = None,
 ) -> Starlette:
     """The control-plane app: IS and PC over ``store`` (``app.state.index`` and
-    ``app.state.pc`` hold them); ``extra_routes`` and ``extra_lifespans`` join them."""
+    ``app.state.pc`` hold them), the PC's sessions in ``sessions`` (in memory when ``None``);
+    ``extra_routes`` and ``extra_lifespans`` join them."""
     pc_settings = pc_config or PCConfig()
     index = IndexService(
         store,
@@ -133,6 +138,7 @@ def create_control_app(
         clock,
         pc_settings,
         scale_up=scale_up,
+        sessions=sessions,
     )
 
     @contextlib.asynccontextmanager
@@ -164,6 +170,7 @@ def create_control_app(
     app.state.index = index
     app.state.pc = pc
     install_problem_handlers(app)
+    install_operations(app, "control", "KVSP control plane (Index Service and PC)")
     return app
 
 
@@ -178,21 +185,27 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         BadRequest: a bad option or unreadable token file.
+        StoreUnavailable: ``--store`` names a Redis that does not answer.
         DescriptorError: a ``--descriptor`` file is not a valid descriptor.
     """
     config = serve_config(args)
     principals = load_principals(args)  # first: it makes STATE/admin.token on a first start
+    opened = open_store(args)
+    stores = open_pc_stores(args.store)
     peers = HttpInstancePeers(directive_token(args))
     hook = None if args.scale_up_hook is None else scale_up_hook(args.scale_up_hook)
     app = create_control_app(
         index_config(args),
-        store=MemoryStore(),
+        store=opened.store,
         principals=principals,
         clock=SystemClock(),
-        descriptors=descriptor_registry(args),
+        descriptors=opened.descriptors,
         peers=peers,
         pc_config=pc_config(args),
         scale_up=hook,
-        extra_lifespans=[closing(peers)],
+        extra_lifespans=[*opened.lifespans, *stores.lifespans, closing(peers)],
+        sessions=stores.sessions,
     )
+    coordinator = coordinator_for(directive_token(args), SystemClock(), store=stores.shard_maps)
+    app.router.routes.extend(reshard_routes(coordinator))
     return serve(app, config)

@@ -44,6 +44,7 @@ from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes
 from kvsp.services.holder import Holder, HolderConfig, ReplicaIndex
 from kvsp.services.http import (
     UnsupportedMediaType,
+    install_operations,
     media_type,
     parse_codec_param,
     parse_layers_param,
@@ -52,6 +53,7 @@ from kvsp.services.http import (
     read_json,
     repr_digest,
 )
+from kvsp.services.metrics import observe_bytes
 from kvsp.services.problems import install_problem_handlers, kvsp_json
 from kvsp.services.runner import ServeConfig, serve_async
 from kvsp.stores.blocks import BlockRef, DeviceBackend, cuda_backend
@@ -152,6 +154,7 @@ class _HolderEndpoints:
             "repr-digest": repr_digest(plan.repr_digest),
             "cache-control": f"private, immutable, max-age={plan.max_age_s}",
         }
+        observe_bytes(request, "http", "sent", plan.length)  # metrics
         return PartsResponse(plan.parts, headers=headers, media_type=BLOCK_MEDIA_TYPE)
 
     async def put_block(self, request: Request) -> Response:
@@ -168,6 +171,7 @@ class _HolderEndpoints:
         expected = _expected_digest(request)
         data = await read_body(request, self.body_limit)
         block = await self.holder.put_block(principal, *ref, data, expected_digest=expected)
+        observe_bytes(request, "http", "received", len(data))  # metrics
         headers = {"repr-digest": repr_digest(block.meta.repr_digest)}
         if self.holder.public_url is not None:
             headers["location"] = f"{self.holder.public_url}blocks/{ref}"
@@ -254,6 +258,7 @@ def create_holder_app(
     app.state.clock = clock
     app.state.holder = holder
     install_problem_handlers(app)
+    install_operations(app, "holder", "KVSP holder")
     return app
 
 

@@ -10,6 +10,9 @@ DELETE  ``R``                               withdraw → 204 (404 when there is 
 POST    ``replicas`` ``{"records": [...]}`` → 200 ``{"results": [{"ok": true, "ttl_ms": n} |
                                             {"ok": false, "problem": {RFC 9457}}, ...]}``
 POST    ``lookup``                          → 200 the §6.2 answer (compact on request)
+GET     ``replicas``                        → 200 ``{"holders": [{"holder", "replicas",
+                                            "octets"}]}``: live records per holder (admin;
+                                            only over a store that counts them)
 PUT     ``instances/{instance_id}/status``  → 200 ``{"state": the reported state}``
 PUT/GET ``descriptors/{compat}``            → 201/200 ``{"compat_id"}`` / the descriptor
 GET     ``healthz``                         → 200 ``{"status": "ok"}`` (no token needed)
@@ -37,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from kvsp.errors import NotFound, PayloadTooLarge
+from kvsp.errors import BadRequest, NotFound, PayloadTooLarge
 from kvsp.fields import Fields
 from kvsp.ids import parse_block_key, parse_compat_id, parse_hex16, parse_scope_id
 from kvsp.index import DEFAULT_MAX_LOOKUP_KEYS, IndexService, ReplicaPath
@@ -47,10 +50,11 @@ from kvsp.services.auth import Principal, Principals, principal_of
 from kvsp.services.cliargs import load_principals, serve_config
 from kvsp.services.clock import Clock, SystemClock
 from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes
-from kvsp.services.http import read_json
+from kvsp.services.http import install_operations, read_json
+from kvsp.services.metrics import observe_lookup
 from kvsp.services.problems import install_problem_handlers, kvsp_json
 from kvsp.services.runner import serve
-from kvsp.stores.base import ReplicaStore, holder_id_of
+from kvsp.stores.base import ReplicaCensus, ReplicaStore, holder_id_of
 from kvsp.stores.memory import MemoryStore
 
 _log = logging.getLogger("kvsp.services.index")
@@ -174,6 +178,7 @@ class _IndexEndpoints:
         lookup = LookupRequest.from_json(body)
         now_ms = self.clock.now_ms()
         result = await self.index.find(caller, lookup, now_ms)
+        observe_lookup(request, "lookup", len(lookup.block_keys), len(result.matches))  # metrics
         return kvsp_json(result.to_json(now_ms))
 
     def _check_key_count(self, body: Any) -> None:
@@ -209,7 +214,24 @@ def index_routes(index: IndexService, config: IndexConfig, clock: Clock) -> list
         Route("/lookup", ep.lookup, methods=["POST"]),
         Route("/instances/{instance_id}/status", ep.put_status, methods=["PUT"]),
         Route("/healthz", healthz, methods=["GET"]),
+        *_census_routes(index.store, clock),
     ]
+
+
+def _census_routes(store: ReplicaStore, clock: Clock) -> list[BaseRoute]:
+    """``GET replicas`` (admin): live records and octets per holder, over a store that can
+    count them (:class:`~kvsp.stores.base.ReplicaCensus`); no route otherwise."""
+    if not isinstance(store, ReplicaCensus):
+        return []
+    census: ReplicaCensus = store
+
+    async def holders(request: Request) -> Response:
+        auth.require_role(principal_of(request), "admin")
+        rows = await census.holders(clock.now_ms())
+        body = [{"holder": h, "replicas": n, "octets": octets} for h, n, octets in rows]
+        return kvsp_json({"holders": body})
+
+    return [Route("/replicas", holders, methods=["GET"])]
 
 
 async def sweep_forever(index: IndexService, clock: Clock, config: IndexConfig) -> None:
@@ -301,6 +323,7 @@ def create_index_app(
     app.state.clock = clock
     app.state.index = index
     install_problem_handlers(app)
+    install_operations(app, "index", "KVSP Index Service")
     return app
 
 
@@ -348,6 +371,51 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"most block keys in one lookup (default {defaults.max_lookup_keys})",
     )
+    parser.add_argument(
+        "--store",
+        default="memory",
+        metavar="URL",
+        help="where replica records live: memory (default: in this process) or "
+        "redis://HOST:PORT/DB[?prefix=NAME], shared by every IS process using it",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedStore:
+    """The replica store and descriptor registry ``--store`` names, and the lifespans they
+    need while the app serves (a Redis store's connections, descriptor sharing)."""
+
+    store: ReplicaStore
+    descriptors: DescriptorRegistry
+    lifespans: tuple[Lifespan, ...]
+
+
+def open_store(args: argparse.Namespace) -> OpenedStore:
+    """The store of ``--store`` with the registry of ``STATE/descriptors`` and the
+    ``--descriptor`` files; with Redis, descriptors are shared through it too.
+
+    Raises:
+        BadRequest: a bad ``--store`` URL, or the ``redis`` package is not installed.
+        StoreUnavailable: Redis does not answer.
+        DescriptorError: a descriptor file is unreadable or not a valid descriptor.
+    """
+    folder = args.state / "descriptors"
+    if args.store == "memory":
+        opened = OpenedStore(MemoryStore(), DescriptorRegistry(folder), ())
+    else:
+        try:
+            from kvsp.stores.redis import RedisStore, SharedDescriptors
+        except ModuleNotFoundError as exc:
+            if exc.name != "redis":
+                raise
+            raise BadRequest("--store redis://… needs the redis package (kvsp[redis])") from None
+        store = RedisStore.from_url(args.store)
+        store.check_reachable()  # a clear error now rather than a failing first request
+        shared = SharedDescriptors(folder, store)
+        opened = OpenedStore(store, shared, (store.serving, shared.syncing))
+    opened.descriptors.load_folder()
+    opened.descriptors.load_files(args.descriptor)
+    return opened
 
 
 def index_config(args: argparse.Namespace) -> IndexConfig:
@@ -359,26 +427,23 @@ def index_config(args: argparse.Namespace) -> IndexConfig:
     )
 
 
-def descriptor_registry(args: argparse.Namespace) -> DescriptorRegistry:
-    """The registry of ``STATE/descriptors`` plus the ``--descriptor`` files.
+def run(args: argparse.Namespace) -> int:
+    """Serve the IS until SIGTERM/SIGINT; returns the exit status.
 
     Raises:
-        DescriptorError: a file is unreadable or not a valid descriptor.
+        BadRequest: a bad option.
+        StoreUnavailable: ``--store`` names a Redis that does not answer.
+        DescriptorError: a ``--descriptor`` file is not a valid descriptor.
     """
-    registry = DescriptorRegistry(args.state / "descriptors")
-    registry.load_folder()
-    registry.load_files(args.descriptor)
-    return registry
-
-
-def run(args: argparse.Namespace) -> int:
-    """Serve the IS until SIGTERM/SIGINT; returns the exit status."""
     config = serve_config(args)
+    principals = load_principals(args)
+    opened = open_store(args)
     app = create_index_app(
         index_config(args),
-        store=MemoryStore(),
-        principals=load_principals(args),
+        store=opened.store,
+        principals=principals,
         clock=SystemClock(),
-        descriptors=descriptor_registry(args),
+        descriptors=opened.descriptors,
+        extra_lifespans=opened.lifespans,
     )
     return serve(app, config)

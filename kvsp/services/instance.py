@@ -21,7 +21,10 @@ is the HTTP shell. Choices the spec leaves open:
   is cancelled only when no directive waits for it any more.
 * **Generation**: the prompt's Block Keys use the request's scope key or a configured one;
   every leading block held by the engine or the holder (or still loading for a directive) is
-  used, the rest recomputed, and the computed blocks are kept and published.
+  used, the rest recomputed, and the computed blocks are kept and published. Sessions that
+  survive failures (§6.8: checkpoints, resume, the release gate) are built on these pieces in
+  :mod:`kvsp.services.instance_sessions`; a status answered ``kvsp-stale-epoch`` tells them
+  that the PC declared this instance failed (:meth:`InstanceAgent.on_declared_failed`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,9 +66,9 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.auth import Principal
-from kvsp.services.block_client import BlockClient, UnsupportedHolder, VerifiedBlock, block_base
+from kvsp.services.block_client import BlockClient, UnsupportedHolder, VerifiedBlock, source_base
 from kvsp.services.clock import Clock
-from kvsp.services.engine_api import EngineSequence, InferenceEngine
+from kvsp.services.engine_api import GREEDY, EngineSequence, InferenceEngine, Sampling
 from kvsp.services.holder import Holder
 from kvsp.stores.blocks import BlockRef
 
@@ -172,13 +175,21 @@ class Session:
         self.epoch = epoch
         self.loaded_blocks = seq.loaded_blocks
         self.computed_blocks = len(seq.computed)
+        self.keys: Sequence[BlockKey] = ()
+        """The Block Keys of the prompt's complete blocks (empty for a resumed session)."""
         self._closed = False
 
-    async def tokens(self) -> AsyncIterator[tuple[int, int]]:
-        """``(index, token)`` pairs; the session is closed when the iteration ends."""
+    @property
+    def sequence(self) -> EngineSequence:
+        """The engine's sequence (for sessions that sample, checkpoint and export blocks)."""
+        return self._seq
+
+    async def tokens(self, sampling: Sampling = GREEDY) -> AsyncIterator[tuple[int, int]]:
+        """``(index, token)`` pairs chosen by ``sampling``; the session is closed when the
+        iteration ends."""
         try:
             index = 0
-            async for token in self._seq.tokens(self.max_tokens):
+            async for token in self._seq.tokens(self.max_tokens, sampling):
                 yield index, token
                 index += 1
         finally:
@@ -240,6 +251,7 @@ class InstanceAgent:
         self._url_known = asyncio.Event()
         self._public_url: str | None = None
         self._principal = Principal(name="instance", roles=frozenset({"instance"}), scopes=None)
+        self._failure_listeners: list[Callable[[], None]] = []
         if config.public_url is not None:
             self.set_public_url(config.public_url)
 
@@ -366,9 +378,16 @@ class InstanceAgent:
             self._epoch = self._epochs.advance(self.clock.now_ms())
             self._state = InstanceState.ACTIVE
             _log.warning("status expired at the PC; re-registering with epoch %d", self._epoch)
+            for listener in list(self._failure_listeners):
+                listener()
             answer = await self.control.put_status(self.status_record())
         self._apply_answer(answer)
         return answer
+
+    def on_declared_failed(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever the PC answers a status with ``kvsp-stale-epoch``: it
+        declared this instance failed, so its sessions may live elsewhere now (§6.8)."""
+        self._failure_listeners.append(listener)
 
     def _apply_answer(self, answer: StateAnswer) -> None:
         if answer.state is self._state:
@@ -464,21 +483,56 @@ class InstanceAgent:
         if not 0 <= max_tokens <= self.config.max_tokens:
             raise BadRequest(f"at most {self.config.max_tokens} tokens", path="$.max_tokens")
         keys = block_keys(scope_key, self.compat, prompt, self.descriptor.block_tokens)
+
+        async def prefill() -> EngineSequence:
+            return await self.engine.prefill(prompt, await self.held_prefix(scope, keys))
+
+        seq = await self._admit(prefill)
+        self._keep_computed(scope, keys, seq)
+        session = Session(self, seq, max_tokens)
+        session.keys = keys
+        return session
+
+    async def resume_session(
+        self,
+        loaded: Sequence[Container],
+        prefill: Sequence[int],
+        replay: Sequence[int],
+        max_tokens: int,
+        epoch: int,
+    ) -> Session:
+        """Admit a session moved here (§6.8): rebuild its context in the engine from loaded
+        blocks, a prefill and replayed output tokens, in one of the slots new sessions use.
+
+        Raises:
+            NotActive: the instance is not active (a resume is a new session here, §6.3).
+            KVSPError: the engine refused the context.
+        """
+        if self._state is not InstanceState.ACTIVE:
+            raise NotActive(f"the instance is {self._state}")
+
+        async def rebuild() -> EngineSequence:
+            return await self.engine.resume(loaded, prefill, replay)
+
+        return Session(self, await self._admit(rebuild), max_tokens, epoch)
+
+    async def _admit(self, start: Callable[[], Awaitable[EngineSequence]]) -> EngineSequence:
+        """Count a session in, wait for a slot and start its sequence; counted out again if
+        that fails."""
         self._admitted += 1
         running = False
         try:
             await self._slots.acquire()
             self._running += 1
             running = True
-            loaded = await self._held_prefix(scope, keys)
-            seq = await self.engine.prefill(prompt, loaded)
+            return await start()
         except BaseException:
             self._session_done(running=running)
             raise
-        self._keep_computed(scope, keys, seq)
-        return Session(self, seq, max_tokens)
 
-    async def _held_prefix(self, scope: ScopeId, keys: Sequence[BlockKey]) -> list[Container]:
+    async def held_prefix(self, scope: ScopeId, keys: Sequence[BlockKey]) -> list[Container]:
+        """The leading blocks of ``keys`` held by the engine or the holder face (waiting for
+        those a directive is loading), up to the first one not held."""
         found = self.engine.lookup(keys)
         for key in keys[len(found) :]:
             ref = BlockRef(self.compat, scope, key)
@@ -493,10 +547,14 @@ class InstanceAgent:
 
     def _keep_computed(self, scope: ScopeId, keys: Sequence[BlockKey], seq: EngineSequence) -> None:
         for block in seq.computed:
-            key = keys[block.index]
-            self.engine.hold(key, decode_container(block.container, self.geometry))
-            ref = BlockRef(self.compat, scope, key)
-            self._spawn(self._store(ref, block.container), f"kvsp-publish-{key.hex()[:8]}")
+            self.keep_block(scope, keys[block.index], block.container)
+
+    def keep_block(self, scope: ScopeId, key: BlockKey, data: bytes) -> None:
+        """Keep a block this instance computed in the engine and, in the background, in the
+        holder face's tiers, which publishes its replica (§6.1)."""
+        self.engine.hold(key, decode_container(data, self.geometry))
+        ref = BlockRef(self.compat, scope, key)
+        self._spawn(self._store(ref, data), f"kvsp-publish-{key.hex()[:8]}")
 
     async def _store(self, ref: BlockRef, data: bytes) -> bool:
         """Put a block in the holder's tiers, which publishes its replica (§6.1)."""
@@ -598,7 +656,7 @@ class InstanceAgent:
             for key, records in zip(chunk, answer.replicas or (), strict=False):
                 for record in records:
                     with contextlib.suppress(UnsupportedHolder):
-                        out[(key, block_base(record))] = record
+                        out[(key, source_base(record))] = record
             if answer.matched < len(chunk):
                 break  # chained keys: nothing after a miss is findable
         return out

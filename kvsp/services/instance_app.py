@@ -10,9 +10,18 @@ GET     ``prefetch/{directive}``      ``{"directive", "state", "loaded": [hex32.
 PUT     ``state``                     ``{"state": "active"|"draining"|"sleeping"}`` from the PC
                                       → 200 ``{"state": now}``; 409 for a move §6.3 forbids
 POST    ``generate``                  ``{"prompt": [uint32...], "max_tokens": n, "scope_key"?:
-                                      hex, "scope_id"?: hex16, "session"?: uuid}`` → 200
-                                      ``application/x-ndjson``, one ``{"index", "epoch",
+                                      hex, "scope_id"?: hex16, "session"?: uuid, "sampler"?:
+                                      {"method", "params"?, "seed"?, "deterministic"?}}`` →
+                                      200 ``application/x-ndjson``, one ``{"index", "epoch",
                                       "token"}`` per line (role ``client``)
+GET     ``sessions/{s}/tokens?from=N``  the session's tokens from index N, NDJSON as above
+                                      (role ``client``; §6.8 reattaching)
+POST    ``sessions/{s}/resume``       ResumeRequest (§6.8) → 200 ``{"session", "epoch",
+                                      "output_offset", "loaded_prompt_blocks",
+                                      "loaded_generated_blocks", "recomputed_tokens"}``; 409
+                                      ``kvsp-stale-epoch`` for an epoch not above its own
+                                      (role ``pc``)
+GET     ``sessions/{s}``              the instance's view of a session it serves
 GET     ``status``                    the Instance Status Record it would send now
 GET/PUT ``blocks/…``, ``leases…``     the holder face (§6.6, §6.7) over what it computed/loaded
 GET     ``healthz``                   liveness, no token
@@ -24,6 +33,13 @@ GET     ``healthz``                   liveness, no token
 The principal must be authorized for the scope either way. Generation answers carry
 ``KVSP-Loaded-Blocks`` and ``KVSP-Computed-Blocks`` (how many prompt blocks were loaded and
 computed). An error after the stream started ends it with one ``{"error": problem}`` line.
+
+**Sessions** (§6.8). A generate request with ``session`` (placed by the PC with that id) runs
+as a session of :mod:`kvsp.services.instance_sessions`: it checkpoints to the PC, survives the
+reader (``GET sessions/{s}/tokens?from=N`` reattaches), and can be resumed elsewhere. It needs
+the scope key configured with ``--scope-key-file`` (a resumed instance computes the keys of
+generated blocks with it). Without ``session`` a generation is as before: greedy unless a
+``sampler`` says otherwise, never checkpointed.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -49,19 +66,27 @@ from kvsp.errors import BadRequest, KVSPError, NotFound, RecordError
 from kvsp.fields import Fields
 from kvsp.ids import ScopeId
 from kvsp.keys import scope_id as scope_id_of
-from kvsp.records import PrefetchDirective, StateAnswer
+from kvsp.records import PrefetchDirective, ResumeRequest, StateAnswer
 from kvsp.records_common import UINT32_MAX, read_uint32_list, read_uuid
 from kvsp.registries import Tier
 from kvsp.services.auth import Principals, principal_of, require_role, require_scope
 from kvsp.services.cliargs import load_principals, serve_config
 from kvsp.services.clock import Clock, SystemClock
 from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes, read_descriptor_file
-from kvsp.services.engine_api import InferenceEngine
+from kvsp.services.engine_api import GREEDY, InferenceEngine, Sampling
 from kvsp.services.holder import Holder, HolderConfig
 from kvsp.services.holder_app import holder_routes, parse_size
-from kvsp.services.http import read_json
+from kvsp.services.http import install_operations, read_json
 from kvsp.services.instance import InstanceAgent, InstanceConfig, Session
+from kvsp.services.instance_reshard import agent_reshard_routes
+from kvsp.services.instance_sessions import (
+    InstanceSessions,
+    LiveSession,
+    SessionConfig,
+    read_sampling,
+)
 from kvsp.services.problems import dumps_json, install_problem_handlers, kvsp_json
+from kvsp.services.relay_link import RelayAttachment, add_relay_arguments
 from kvsp.services.runner import ServeConfig, serve_async
 
 _log = logging.getLogger("kvsp.instance")
@@ -85,6 +110,8 @@ class GenerateRequest:
     scope_key: bytes | None = None
     scope_id: ScopeId | None = None
     session: uuid.UUID | None = None
+    sampling: Sampling = GREEDY
+    deterministic: bool = True
 
     @classmethod
     def from_json(cls, obj: object, path: str = "$") -> Self:
@@ -104,12 +131,18 @@ class GenerateRequest:
         if key is not None and scope is not None and scope_id_of(key) != scope:
             raise RecordError("is not the scope of scope_key", path=f.at("scope_id"))
         session = f.raw("session", optional=True, nullable=True)
+        sampler = f.raw("sampler", optional=True)
+        sampling, deterministic = (
+            (GREEDY, True) if sampler is None else read_sampling(sampler, f.at("sampler"))
+        )
         return cls(
             prompt=prompt,
             max_tokens=f.integer("max_tokens", maximum=UINT32_MAX),
             scope_key=key,
             scope_id=scope,
             session=None if session is None else read_uuid(session, f.at("session")),
+            sampling=sampling,
+            deterministic=deterministic,
         )
 
 
@@ -138,9 +171,9 @@ def _resolve_scope(agent: InstanceAgent, body: GenerateRequest) -> tuple[ScopeId
     return ScopeId(scope), key
 
 
-async def _ndjson(session: Session) -> AsyncIterator[bytes]:
+async def _ndjson(session: Session, sampling: Sampling = GREEDY) -> AsyncIterator[bytes]:
     try:
-        async for index, token in session.tokens():
+        async for index, token in session.tokens(sampling):
             line = {"index": index, "epoch": session.epoch, "token": token}
             yield dumps_json(line) + b"\n"
     except KVSPError as exc:
@@ -150,9 +183,39 @@ async def _ndjson(session: Session) -> AsyncIterator[bytes]:
         yield dumps_json({"error": {"status": 500, "title": "Internal error"}}) + b"\n"
 
 
+async def _session_ndjson(live: LiveSession, start: int) -> AsyncIterator[bytes]:
+    try:
+        async for index, token in live.stream(start):
+            yield dumps_json({"index": index, "epoch": live.epoch, "token": token}) + b"\n"
+    except KVSPError as exc:
+        yield dumps_json({"error": exc.to_problem()}) + b"\n"
+
+
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def _read_from(request: Request) -> int:
+    text = request.query_params.get("from", "0")
+    if _DECIMAL.fullmatch(text) is None or int(text) > UINT32_MAX:
+        raise BadRequest(f"from must be a decimal index, got {text[:40]!r}", path="from")
+    return int(text)
+
+
+def _stream(body: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
+    return StreamingResponse(
+        body, media_type=NDJSON, headers={**headers, "cache-control": "no-store"}
+    )
+
+
 class _InstanceEndpoints:
-    def __init__(self, agent: InstanceAgent) -> None:
+    def __init__(self, agent: InstanceAgent, sessions: InstanceSessions | None) -> None:
         self.agent = agent
+        self.sessions = sessions
+
+    def _sessions(self) -> InstanceSessions:
+        if self.sessions is None:
+            raise BadRequest("this instance keeps no sessions (it has no PC to checkpoint to)")
+        return self.sessions
 
     async def post_prefetch(self, request: Request) -> Response:
         principal = principal_of(request)
@@ -185,6 +248,8 @@ class _InstanceEndpoints:
         body = GenerateRequest.from_json(await read_json(request, PROMPT_LIMIT))
         scope, key = _resolve_scope(self.agent, body)
         require_scope(principal, scope)
+        if body.session is not None:
+            return await self._open_session(body, scope, key)
         session = await self.agent.open_session(body.prompt, body.max_tokens, scope, key)
         headers = {
             "kvsp-loaded-blocks": str(session.loaded_blocks),
@@ -192,11 +257,54 @@ class _InstanceEndpoints:
             "cache-control": "no-store",
         }
         return StreamingResponse(
-            _ndjson(session),
+            _ndjson(session, body.sampling),
             media_type=NDJSON,
             headers=headers,
             background=BackgroundTask(session.close),
         )
+
+    async def _open_session(self, body: GenerateRequest, scope: ScopeId, key: bytes) -> Response:
+        if body.session is None:
+            raise BadRequest("no session", path="$.session")
+        live, opened = await self._sessions().open(
+            body.session,
+            body.prompt,
+            body.max_tokens,
+            scope,
+            key,
+            body.sampling,
+            body.deterministic,
+        )
+        headers = {
+            "kvsp-loaded-blocks": str(opened.loaded_blocks),
+            "kvsp-computed-blocks": str(opened.computed_blocks),
+        }
+        return _stream(_session_ndjson(live, 0), headers)
+
+    async def get_tokens(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "client")
+        live = self._sessions().get(read_uuid(request.path_params["session"], "session"))
+        require_scope(principal, live.scope)
+        return _stream(_session_ndjson(live, _read_from(request)), {})
+
+    async def get_session(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "client", "pc")
+        live = self._sessions().get(read_uuid(request.path_params["session"], "session"))
+        require_scope(principal, live.scope)
+        return kvsp_json(live.view())
+
+    async def post_resume(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "pc")
+        session = read_uuid(request.path_params["session"], "session")
+        body = ResumeRequest.from_json(await read_json(request, PROMPT_LIMIT))
+        if body.checkpoint.session != session:
+            raise BadRequest("the checkpoint is of another session", path="$.checkpoint.session")
+        require_scope(principal, body.checkpoint.scope_id)
+        outcome = await self._sessions().resume(body)
+        return kvsp_json(outcome.to_json())
 
     async def get_status(self, request: Request) -> Response:
         principal_of(request)
@@ -211,12 +319,17 @@ async def healthz(request: Request) -> Response:
 
 
 @contextlib.asynccontextmanager
-async def instance_lifespan(agent: InstanceAgent) -> AsyncIterator[None]:
-    """Start the agent with the app; stop it (withdrawing its records) at the end."""
+async def instance_lifespan(
+    agent: InstanceAgent, sessions: InstanceSessions | None = None
+) -> AsyncIterator[None]:
+    """Start the agent with the app; stop its sessions and it (withdrawing its records) at
+    the end."""
     await agent.start()
     try:
         yield
     finally:
+        if sessions is not None:
+            await sessions.close()
         await agent.close()
 
 
@@ -227,26 +340,32 @@ def create_instance_app(
     *,
     body_limit: int = 256 << 20,
     descriptors: DescriptorRegistry | None = None,
+    sessions: InstanceSessions | None = None,
 ) -> Starlette:
     """The instance as a Starlette app: its own routes, the holder face, and (with
-    ``descriptors``) the ``descriptors/{compat}`` routes."""
-    ep = _InstanceEndpoints(agent)
+    ``descriptors``) the ``descriptors/{compat}`` routes. Without ``sessions`` it takes no
+    §6.8 sessions (generate with ``session`` and the ``sessions/…`` routes answer 400)."""
+    ep = _InstanceEndpoints(agent, sessions)
     routes = [
         Route("/prefetch", ep.post_prefetch, methods=["POST"]),
         Route("/prefetch/{directive}", ep.get_prefetch, methods=["GET"]),
         Route("/state", ep.put_state, methods=["PUT"]),
         Route("/generate", ep.post_generate, methods=["POST"]),
+        Route("/sessions/{session}/tokens", ep.get_tokens, methods=["GET"]),
+        Route("/sessions/{session}/resume", ep.post_resume, methods=["POST"]),
+        Route("/sessions/{session}", ep.get_session, methods=["GET"]),
         Route("/status", ep.get_status, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         *holder_routes(agent.holder, body_limit),
     ]
     if descriptors is not None:
         routes += descriptor_routes(descriptors)
-    app = Starlette(routes=routes, lifespan=lambda _app: instance_lifespan(agent))
+    app = Starlette(routes=routes, lifespan=lambda _app: instance_lifespan(agent, sessions))
     app.state.principals = principals
     app.state.clock = clock
     app.state.agent = agent
     install_problem_handlers(app)
+    install_operations(app, "instance", "KVSP inference instance")
     return app
 
 
@@ -292,6 +411,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--sleep-threshold", type=float, metavar="LOAD", help="ask to sleep below this load")
     add("--sleep-after-ms", type=_positive_int, default=d.sleep_after_ms, metavar="MS")
     add("--record-ttl-ms", type=_positive_int, default=600_000, metavar="MS")
+    add_relay_arguments(parser)
     add(
         "--scope-key-file",
         type=Path,
@@ -307,6 +427,64 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="TIER=SIZE",
         help="holder-face tier and budget, e.g. host=2GiB (default host=1GiB)",
+    )
+    add_session_arguments(parser)
+
+
+def _delay_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of ms >= 0, got {text!r}")
+    return value
+
+
+def add_session_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of §6.8 sessions (checkpoints, the release gate, replicas)."""
+    d = SessionConfig()
+    add = parser.add_argument
+    add(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=d.checkpoint_every,
+        metavar="N",
+        help=f"checkpoint at least every N output tokens (default {d.checkpoint_every})",
+    )
+    add(
+        "--gate-batch",
+        type=_positive_int,
+        default=d.gate_batch,
+        metavar="N",
+        help="non-deterministic samplers: new tokens a checkpoint waits for before tokens are "
+        f"released (default {d.gate_batch})",
+    )
+    add(
+        "--replica-holder",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a holder that keeps copies of session blocks, so they outlive this instance "
+        "(repeatable)",
+    )
+    add("--session-log", type=Path, metavar="FILE", help="append token releases as JSON lines")
+    add(
+        "--toy-decode-ms",
+        type=_delay_ms,
+        default=0.0,
+        metavar="MS",
+        help="--engine toy: emulated device time of each decode round (default 0)",
+    )
+
+
+def session_config(args: argparse.Namespace) -> SessionConfig:
+    """The :class:`SessionConfig` the options describe."""
+    return SessionConfig(
+        checkpoint_every=args.checkpoint_every,
+        gate_batch=args.gate_batch,
+        replica_holders=tuple(args.replica_holder),
+        log=args.session_log,
     )
 
 
@@ -367,7 +545,11 @@ def make_engine(args: argparse.Namespace) -> InferenceEngine:
         return _reference_engine(args, descriptor)
     from kvsp.services.toy_engine import ToyEngine
 
-    return ToyEngine(descriptor, capacity_blocks=args.kv_capacity_blocks)
+    return ToyEngine(
+        descriptor,
+        capacity_blocks=args.kv_capacity_blocks,
+        decode_delay_s=args.toy_decode_ms / 1000,
+    )
 
 
 def _reference_engine(
@@ -436,6 +618,7 @@ async def _serve(
 ) -> None:
     from kvsp.services.block_client import BlockClient
     from kvsp.services.index_client import IndexClient
+    from kvsp.services.pc_client import PCClient
 
     clock = SystemClock()
     async with contextlib.AsyncExitStack() as stack:
@@ -448,12 +631,22 @@ async def _serve(
             await index.put_descriptor(engine.descriptor)
         except KVSPError as exc:
             _log.warning("registering the descriptor at the IS failed: %s", exc)
-        blocks = await stack.enter_async_context(BlockClient(token))
-        holder = Holder(holder_config, index=index, descriptors=registry, clock=clock)
+        relay = RelayAttachment(args, token)  # --relay: moqt:// replicas, blocks to the relay
+        blocks = await stack.enter_async_context(BlockClient(token, moqt=relay.moqt_client()))
+        holder = Holder(holder_config, index=relay.index(index), descriptors=registry, clock=clock)
+        relay.start(holder, stack)
         agent = InstanceAgent(engine, holder, index, blocks, control, clock, config)
+        pc = await stack.enter_async_context(PCClient(args.control, token))
+        sessions = InstanceSessions(agent, pc, session_config(args))
         app = create_instance_app(
-            agent, principals, clock, body_limit=holder_config.body_limit, descriptors=registry
+            agent,
+            principals,
+            clock,
+            body_limit=holder_config.body_limit,
+            descriptors=registry,
+            sessions=sessions,
         )
+        app.router.routes.extend(agent_reshard_routes(agent, token))  # §6.9 POST reshard, shards/
 
         def on_serving(url: str) -> None:
             if config.public_url is None:

@@ -26,6 +26,11 @@ Choices the spec leaves open, made here:
   and sending it the directive; the PC does not hold the request open for an instance start,
   which can take minutes. The retry finds the instance registered with its blocks loading or
   loaded. One start runs at a time; requests meanwhile get the same 503 naming it.
+* **Sessions** (§6.8) live in :attr:`PlacementController.sessions`
+  (:mod:`kvsp.services.pc_sessions`): ``place`` with ``session`` creates the record at the
+  chosen instance, and every instance found failed (:meth:`PlacementController.sweep`, or a
+  restart seen in a status record) has its sessions moved by the same §6.4 choice
+  (:meth:`PlacementController.choose_for_resume`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvsp.compat import CompatibilityDescriptor
-from kvsp.errors import BadRequest, Incompatible, KVSPError, NotActive, NotFound
+from kvsp.errors import BadRequest, Conflict, Incompatible, KVSPError, NotActive, NotFound
 from kvsp.lifecycle import InstanceRegistry, check_transition
 from kvsp.placement import PlacementDecision, choose_instance
 from kvsp.records import (
@@ -52,6 +57,7 @@ from kvsp.records import (
     ReplicaRecord,
     StateAnswer,
 )
+from kvsp.records_session import ResumeRequest, SessionCheckpoint
 from kvsp.registries import InstanceState
 from kvsp.services.clock import Clock
 from kvsp.services.pc_plan import (
@@ -60,7 +66,9 @@ from kvsp.services.pc_plan import (
     build_directive,
     startup_directive,
 )
+from kvsp.services.pc_sessions import SessionService, SessionSettings
 from kvsp.stores.base import holder_id_of
+from kvsp.stores.sessions import MemorySessionStore, SessionStore
 
 _log = logging.getLogger("kvsp.services.pc")
 
@@ -99,6 +107,8 @@ class PCConfig:
     without an assumption no directive would ever reach a fresh instance. The instance's own
     measurement replaces the assumption as soon as it reports one."""
     assumed_link_rtt_us: float = 200.0
+    sessions: SessionSettings = dataclasses.field(default_factory=SessionSettings)
+    """How sessions are kept and moved on failure (§6.8)."""
 
 
 # --- injected I/O ------------------------------------------------------------------------------
@@ -129,6 +139,10 @@ class InstancePeers(Protocol):
 
     async def put_state(self, instance: str, state: InstanceState) -> None:
         """PUT ``{instance}state`` with ``{"state": state}`` (§6.3)."""
+        ...
+
+    async def resume(self, instance: str, request: ResumeRequest) -> None:
+        """POST ``{instance}sessions/{session}/resume`` (§6.8); returns once it took it."""
         ...
 
 
@@ -262,6 +276,7 @@ class PlacementController:
         *,
         scale_up: ScaleUpHook | None = None,
         new_id: Callable[[], uuid.UUID] = uuid.uuid4,
+        sessions: SessionStore | None = None,
     ) -> None:
         self.registry = registry
         self.config = config
@@ -276,6 +291,15 @@ class PlacementController:
         self._ids: dict[bytes, str] = {}
         self._starting: dict[str, int] = {}  # instance being started -> give up at (ms)
         self._hook_running = False
+        self.sessions = SessionService(
+            sessions if sessions is not None else MemorySessionStore(),
+            self,
+            peers,
+            clock,
+            config.sessions,
+        )
+        self.directives_sent = 0  # accepted (202) by their instance; for metrics
+        self.directives_failed = 0  # refused or unreachable; for metrics
 
     # --- §6.3 status and lifecycle -------------------------------------------------------------
 
@@ -298,6 +322,7 @@ class PlacementController:
             self._starting.pop(record.instance, None)
         if accepted.ended_epoch is not None:
             _log.warning("%s restarted; epoch %d ended", record.instance, accepted.ended_epoch)
+            self.sessions.instance_failed(record.instance)  # its sessions died with it
         self.service_times.on_status(record, now)
         try:
             await self._index.put_status(record, now)
@@ -310,6 +335,7 @@ class PlacementController:
         failed = self.registry.expire(self._clock.now_ms())
         for name in failed:
             self.service_times.forget(name)
+            self.sessions.instance_failed(name)  # §6.8: its sessions move elsewhere
             _log.warning("%s failed: its status record expired", name)
         return failed
 
@@ -385,14 +411,20 @@ class PlacementController:
         blocks is cheaper than recomputing them, send it the prefetch directive before
         answering (§6.5).
 
+        With ``session`` the PC records the session at the chosen instance (§6.8), so that
+        it can be moved when that instance fails.
+
         Raises:
             NoInstance: no active instance has acceptable cost and capacity (503, after
                 starting one when a scale-up hook is configured).
             Incompatible: blocks matched but the PC knows no descriptor for the compat id.
             BadRequest: ``prompt_tokens`` shorter than the keyed blocks.
+            Conflict: the session exists.
             KVSPError: the IS could not be asked (502 when unreachable).
         """
         options = options or DirectiveOptions()
+        if request.session is not None and await self.sessions.exists(request.session):
+            raise Conflict(f"session {request.session} exists", path="$.session")
         self.sweep()
         replicas: Sequence[Sequence[ReplicaRecord]] = ()
         if request.block_keys:
@@ -412,9 +444,14 @@ class PlacementController:
                 directive = await self._direct(decision, request, replicas, options)
             except KVSPError as exc:
                 _log.warning("directive to %s failed: %s", decision.instance, exc)
+                self.directives_failed += 1  # metrics
                 excluded.add(decision.instance)
                 continue
             self.service_times.placed(decision.instance)
+            if request.session is not None:
+                await self.sessions.create(
+                    request.session, request.scope_id, request.compat_id, decision.instance
+                )
             return PlaceResponse(
                 instance=decision.instance,
                 matched=len(replicas),
@@ -422,6 +459,37 @@ class PlacementController:
                 directive=None if directive is None else directive.directive,
             )
         raise await self._no_instance(request, replicas, options, tried=len(excluded))
+
+    async def choose_for_resume(
+        self, checkpoint: SessionCheckpoint, excluded: set[str]
+    ) -> str | None:
+        """The instance a session should move to (§6.8 "selects a new instance as in Section
+        6.4"): the choice of :meth:`place` for the checkpoint's prompt blocks, with its prompt
+        tail and output as tokens to compute; no directive is sent (the resume loads them).
+
+        Raises:
+            KVSPError: the IS could not be asked.
+        """
+        self.sweep()
+        descriptor = await self._index.descriptor(checkpoint.compat_id)
+        b = 1 if descriptor is None else descriptor.block_tokens
+        keys = checkpoint.prompt_blocks if descriptor is not None else ()
+        tokens = len(checkpoint.prompt_blocks) * b + len(checkpoint.prompt_tail)
+        request = PlaceRequest(
+            scope_id=checkpoint.scope_id,
+            compat_id=checkpoint.compat_id,
+            block_keys=keys,
+            prompt_tokens=tokens + checkpoint.output_offset,
+        )
+        replicas: Sequence[Sequence[ReplicaRecord]] = ()
+        if keys:
+            lookup = LookupRequest(
+                scope_id=request.scope_id, compat_id=request.compat_id, block_keys=keys
+            )
+            replicas = await self._index.find(lookup, self._clock.now_ms())
+        geometry = await self._geometry(request, len(replicas))
+        decision = self._choose(request, replicas, geometry, excluded)
+        return None if decision is None else decision.instance
 
     async def _geometry(self, request: PlaceRequest, matched: int) -> _Geometry:
         descriptor = await self._index.descriptor(request.compat_id)
@@ -521,6 +589,7 @@ class PlacementController:
             # §6.3 MUST NOT direct a non-active instance: the decision was taken from the
             # active instances with no await since.
             await self._peers.prefetch(decision.instance, directive)
+            self.directives_sent += 1  # metrics
         return directive
 
     # --- scale-up (§6.4 last paragraph) --------------------------------------------------------
@@ -615,5 +684,7 @@ class PlacementController:
             await self._peers.prefetch(uri, directive)
         except KVSPError as exc:
             _log.warning("directive to starting instance %s failed: %s", uri, exc)
+            self.directives_failed += 1  # metrics
             return None
+        self.directives_sent += 1  # metrics
         return directive

@@ -12,7 +12,13 @@ PUT     ``instances/{instance_id}/state`` ``{"state"}`` → 200 ``{"state"}``, f
                                           instance first; roles pc, admin
 POST    ``place``                         PlaceRequest → 200 PlaceResponse, or 503
                                           ``kvsp-not-active`` with ``Retry-After``; roles
-                                          client, pc, admin, authorized for the scope
+                                          client, pc, admin, authorized for the scope; with
+                                          ``session`` it creates the session (§6.8)
+PUT     ``sessions/{session}/checkpoint`` Session Checkpoint → 200 ``{"session", "epoch",
+                                          "output_offset", "state"}``; 409
+                                          ``kvsp-stale-epoch``; role instance (§6.8)
+GET     ``sessions/{session}``            → 200 ``{"session", "instance", "epoch", "state",
+                                          "output_offset", ...}``; roles client, pc, instance
 GET     ``healthz``                       → 200 ``{"status": "ok"}`` (no token needed)
 ======  ================================  ====================================================
 
@@ -31,6 +37,7 @@ import os
 import shlex
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -50,6 +57,7 @@ from kvsp.records import (
     PlaceRequest,
     PrefetchDirective,
     ReplicaRecord,
+    ResumeRequest,
     StateAnswer,
 )
 from kvsp.records_common import HTTP_SCHEMES, read_uri
@@ -60,8 +68,9 @@ from kvsp.services.cliargs import load_principals, serve_config
 from kvsp.services.client_base import BaseClient, RemoteError
 from kvsp.services.clock import Clock, SystemClock
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.http import read_json
+from kvsp.services.http import install_operations, read_json
 from kvsp.services.index_client import IndexClient
+from kvsp.services.metrics import observe_lookup
 from kvsp.services.pc import (
     IndexAccess,
     NoInstance,
@@ -71,9 +80,13 @@ from kvsp.services.pc import (
     ScaleUpHook,
 )
 from kvsp.services.pc_plan import DirectiveOptions
+from kvsp.services.pc_reshard import coordinator_for, reshard_routes
+from kvsp.services.pc_sessions import SessionSettings, session_routes
 from kvsp.services.problems import install_problem_handlers, kvsp_json, problem_response
 from kvsp.services.runner import serve
 from kvsp.stores.base import holder_id_of
+from kvsp.stores.sessions import SessionStore
+from kvsp.stores.shardmaps import ShardMapStore
 
 _log = logging.getLogger("kvsp.services.pc")
 
@@ -137,6 +150,7 @@ class _PCEndpoints:
         except NoInstance as exc:
             retry = {"Retry-After": str(exc.retry_after_s)}
             return problem_response(exc, instance=request.url.path, headers=retry)
+        observe_lookup(request, "place", len(place.block_keys), answer.matched)  # metrics
         return kvsp_json(answer.to_json())
 
 
@@ -154,6 +168,7 @@ def pc_routes(pc: PlacementController, *, with_healthz: bool = True) -> list[Bas
         Route("/instances", ep.list_instances, methods=["GET"]),
         Route("/instances/{instance_id}/state", ep.put_state, methods=["PUT"]),
         Route("/place", ep.place, methods=["POST"]),
+        *session_routes(pc.sessions),
     ]
     if with_healthz:
         routes.append(Route("/healthz", healthz, methods=["GET"]))
@@ -161,11 +176,14 @@ def pc_routes(pc: PlacementController, *, with_healthz: bool = True) -> list[Bas
 
 
 async def sweep_forever(pc: PlacementController) -> None:
-    """Every ``status_sweep_ms``, mark instances whose status record expired as failed."""
+    """Every ``status_sweep_ms``, mark instances whose status record expired as failed and
+    start moving their sessions (§6.3, §6.8); drop sessions past their retention."""
     while True:
         await asyncio.sleep(pc.config.status_sweep_ms / 1000)
         try:
             pc.sweep()
+            await pc.sessions.recover()
+            await pc.sessions.expire()
         except Exception:
             _log.exception("sweeping expired instance records failed")
 
@@ -180,6 +198,7 @@ async def pc_lifespan(pc: PlacementController) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await pc.sessions.aclose()
 
 
 def create_pc_app(
@@ -205,6 +224,7 @@ def create_pc_app(
     app.state.clock = clock
     app.state.pc = pc
     install_problem_handlers(app)
+    install_operations(app, "pc", "KVSP Placement Controller")
     return app
 
 
@@ -226,6 +246,10 @@ class _InstanceClient(BaseClient):
     async def put_state(self, state: InstanceState) -> None:
         await self._request("PUT", "state", StateAnswer(state=state).to_json())
 
+    async def resume(self, request: ResumeRequest) -> None:
+        path = f"sessions/{request.checkpoint.session}/resume"
+        await self._request("POST", path, request.to_json())
+
 
 class HttpInstancePeers:
     """:class:`~kvsp.services.pc.InstancePeers` over HTTP: one keep-alive pool, the PC's own
@@ -245,6 +269,10 @@ class HttpInstancePeers:
     async def put_state(self, instance: str, state: InstanceState) -> None:
         """PUT ``{"state"}`` to ``{instance}state``."""
         await self._peer(instance).put_state(state)
+
+    async def resume(self, instance: str, request: ResumeRequest) -> None:
+        """POST the resume request to ``{instance}sessions/{session}/resume`` (§6.8)."""
+        await self._peer(instance).resume(request)
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -511,6 +539,28 @@ def add_pc_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="the PC's bearer token for calling instances (default STATE/admin.token if any)",
     )
+    sd = d.sessions
+    add(
+        "--failover-deadline-ms",
+        type=_positive_int,
+        default=sd.deadline_ms,
+        metavar="MS",
+        help="how long the PC keeps trying to move a failed instance's session before it "
+        f"marks it failed (default {sd.deadline_ms})",
+    )
+    add(
+        "--session-retain-ms",
+        type=_positive_int,
+        default=sd.retain_ms,
+        metavar="MS",
+        help=f"how long done and failed sessions stay readable (default {sd.retain_ms})",
+    )
+    add(
+        "--session-log",
+        type=Path,
+        metavar="FILE",
+        help="append checkpoint acks, rejections and session moves to FILE as JSON lines",
+    )
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -530,6 +580,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="a Compatibility Descriptor (JSON) to know at start; repeatable",
     )
+    parser.add_argument(
+        "--store",
+        default="memory",
+        metavar="URL",
+        help="where sessions and shard maps live: memory (default: in this process) or "
+        "redis://HOST:PORT/DB[?prefix=NAME], shared by every PC process using it",
+    )
     add_pc_arguments(parser)
 
 
@@ -547,6 +604,11 @@ def pc_config(args: argparse.Namespace) -> PCConfig:
         scale_up_timeout_ms=args.scale_up_timeout_ms,
         assumed_link_mbit_per_s=args.assumed_link_mbit,
         assumed_link_rtt_us=args.assumed_link_rtt_us,
+        sessions=SessionSettings(
+            deadline_ms=args.failover_deadline_ms,
+            retain_ms=args.session_retain_ms,
+            log=args.session_log,
+        ),
     )
 
 
@@ -574,9 +636,14 @@ def directive_token(args: argparse.Namespace) -> str | None:
 
 
 def build_controller(
-    args: argparse.Namespace, index: IndexAccess, peers: HttpInstancePeers, clock: Clock
+    args: argparse.Namespace,
+    index: IndexAccess,
+    peers: HttpInstancePeers,
+    clock: Clock,
+    sessions: SessionStore | None = None,
 ) -> PlacementController:
-    """The controller the options describe, over ``index``.
+    """The controller the options describe, over ``index`` (and ``sessions``: in memory when
+    ``None``).
 
     Raises:
         BadRequest: an unparsable ``--scale-up-hook`` command.
@@ -584,7 +651,52 @@ def build_controller(
     config = pc_config(args)
     policy = SleepPolicy(threshold_load=config.sleep_threshold, min_low_ms=config.sleep_after_ms)
     hook = None if args.scale_up_hook is None else scale_up_hook(args.scale_up_hook)
-    return PlacementController(InstanceRegistry(policy), index, peers, clock, config, scale_up=hook)
+    return PlacementController(
+        InstanceRegistry(policy), index, peers, clock, config, scale_up=hook, sessions=sessions
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PCStores:
+    """The PC's session and shard map stores ``--store`` names (``None``: in this process's
+    memory) and the lifespans that close them."""
+
+    sessions: SessionStore | None
+    shard_maps: ShardMapStore | None
+    lifespans: tuple[Lifespan, ...]
+
+
+def open_pc_stores(url: str) -> PCStores:
+    """The PC stores of ``--store``: in memory for ``memory``; for ``redis://…`` the Redis ones
+    (:mod:`kvsp.stores.redis_sessions`, :mod:`kvsp.stores.redis_shardmaps`), so that every PC
+    process on that Redis shares sessions and shard maps.
+
+    Raises:
+        BadRequest: a bad URL, or the ``redis`` package is not installed.
+        StoreUnavailable: Redis does not answer.
+    """
+    if url == "memory":
+        return PCStores(None, None, ())
+    try:
+        from kvsp.stores.redis import RedisStore
+        from kvsp.stores.redis_sessions import RedisSessionStore
+        from kvsp.stores.redis_shardmaps import RedisShardMaps
+    except ModuleNotFoundError as exc:
+        if exc.name != "redis":
+            raise
+        raise BadRequest("--store redis://… needs the redis package (kvsp[redis])") from None
+    RedisStore.from_url(url).check_reachable()  # a clear error now rather than a failing request
+    sessions, maps = RedisSessionStore.from_url(url), RedisShardMaps.from_url(url)
+
+    @contextlib.asynccontextmanager
+    async def close() -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await sessions.aclose()
+            await maps.aclose()
+
+    return PCStores(sessions, maps, (close,))
 
 
 def closing(*clients: HttpInstancePeers | BaseClient) -> Lifespan:
@@ -606,6 +718,7 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         BadRequest: unreadable token files or a bad option.
+        StoreUnavailable: ``--store`` names a Redis that does not answer.
         DescriptorError: a ``--descriptor`` file is not a valid descriptor.
     """
     serving = serve_config(args)
@@ -617,8 +730,10 @@ def run(args: argparse.Namespace) -> int:
     clock = SystemClock()
     peers = HttpInstancePeers(directive_token(args))
     client = IndexClient(args.index, index_token)
-    pc = build_controller(args, RemoteIndex(client, registry), peers, clock)
-    lifespans = [closing(peers, client)]
-    return serve(
-        create_pc_app(pc, principals=principals, clock=clock, extra_lifespans=lifespans), serving
-    )
+    stores = open_pc_stores(args.store)
+    pc = build_controller(args, RemoteIndex(client, registry), peers, clock, stores.sessions)
+    lifespans = [closing(peers, client), *stores.lifespans]
+    app = create_pc_app(pc, principals=principals, clock=clock, extra_lifespans=lifespans)
+    coordinator = coordinator_for(directive_token(args), clock, store=stores.shard_maps)
+    app.router.routes.extend(reshard_routes(coordinator))
+    return serve(app, serving)

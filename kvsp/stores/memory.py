@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
+from kvsp.fields import UINT64_MAX as _UINT64_MAX
 from kvsp.records import InstanceStatusRecord, ReplicaRecord
 from kvsp.stores.base import HolderCensus, StoredReplica, holder_id_of
 
@@ -167,7 +168,9 @@ class MemoryStore:
                     if expires > now_ms:
                         count, octets = tally.get(record.holder, (0, 0))
                         tally[record.holder] = (count + 1, octets + record.size)
-        return [(holder, *tally[holder]) for holder in sorted(tally)]
+        # record sizes are client-declared uint64 values: their sum saturates at the uint64
+        # maximum so the answer stays a JSON integer every reader can take
+        return [(h, n, min(octets, _UINT64_MAX)) for h, (n, octets) in sorted(tally.items())]
 
     def pending_expiries(self) -> int:
         """How many expiry entries (live and stale) wait in the heap; for tests and metrics."""

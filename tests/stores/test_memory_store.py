@@ -289,3 +289,13 @@ def test_identifiers_are_interned_across_records() -> None:
     # Heap entries are (expires, compat, scope, key, holder id): one object per distinct id.
     assert len({id(entry[1]) for entry in store._heap}) == 1
     assert len({id(entry[4]) for entry in store._heap}) == 1
+
+
+def test_census_octets_saturate_at_uint64_so_the_answer_stays_serializable() -> None:
+    # found by schemathesis: two records declaring near-2^64 sizes overflowed the JSON writer
+    store = MemoryStore()
+    big = 2**64 - 1
+    run(store.put(replace(record(1), size=big), expires_ms=10_000))
+    run(store.put(replace(record(2), size=big), expires_ms=10_000))
+    run(store.put(replace(record(3, holder=H2), size=5), expires_ms=10_000))
+    assert run(store.holders(0)) == [(H1, 2, big), (H2, 1, 5)]  # sorted by holder

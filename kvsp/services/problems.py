@@ -48,7 +48,7 @@ def _dumps_stdlib(obj: Any) -> bytes:
 
 def _pick_dumps() -> Callable[[Any], bytes]:
     try:
-        import orjson  # optional speed-up, not a core dependency (DESIGN.md §7: 20x stdlib)
+        import orjson  # a core dependency for speed (DESIGN.md §7: 20x stdlib); json if absent
     except ImportError:
         return _dumps_stdlib
     dumps: Callable[[Any], bytes] = orjson.dumps

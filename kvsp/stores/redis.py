@@ -486,8 +486,11 @@ class SharedDescriptors(DescriptorRegistry):
                 await self.sync()
             except StoreUnavailable:
                 _log.exception("sharing descriptors through Redis failed")
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that lands as
+            # its timeout fires, and then syncing() waits for this loop forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
 
     @contextlib.asynccontextmanager
     async def syncing(self) -> AsyncIterator[None]:

@@ -118,6 +118,12 @@ def test_a_shared_prefix_is_placed_where_it_is_cached_until_a_queue_there_outwei
     else:  # loading a's prefix over the PC's assumed link cost no more (measured rates vary)
         assert decision.estimate.plan == "fetch"
         assert set(decision.estimate.sources or ()) <= {a}
+        # Quiet again before the next placement: the load ends and its replicas are known.
+        chosen = cluster.name_of(first["instance"])
+        outcome = cluster.directive_outcome(chosen, first["directive"])
+        assert outcome["state"] == "complete", outcome
+        cluster.published(keys_of(cached), first["instance"])
+        cluster.settle()
 
     # a runs one session at a time: one long generation and three more waiting for it put
     # a queue at a, which §6.4 charges as queued * mean service time (10 s, the PC's prior).

@@ -9,8 +9,12 @@ Layout, chosen so that no call scans the store:
   a handful of compat ids, so the hint probes each group for the key);
 * a heap of ``(expires_ms, compat_id, scope_id, key, holder_id)``. A refresh pushes a new entry
   and leaves the old one behind; :meth:`MemoryStore.sweep` pops at most ``max_items`` entries
-  per call and skips those whose expiry no longer matches the stored record. Stale entries thus
-  live until their own expiry, at most the IS's maximum TTL.
+  per call and skips those whose expiry no longer matches the stored record. When stale entries
+  outnumber the records (the heap holds more than twice as many entries as records, plus
+  :data:`HEAP_SLACK`), the heap is rebuilt from the records: frequent refreshes would otherwise
+  keep one entry per refresh for up to the IS's maximum TTL, and memory would grow with the
+  refresh rate. A rebuild is linear in the records and comes after at least as many refreshes,
+  so a refresh costs amortised O(log n).
 
 Identifier octets that repeat across records (compat and scope ids, holder ids) are interned, so
 a million records cost their records and a few small containers each, not copies of the ids.
@@ -29,6 +33,9 @@ from kvsp.stores.base import HolderCensus, StoredReplica, holder_id_of
 _Holders = dict[bytes, StoredReplica]
 _Group = dict[bytes, _Holders]
 _HeapEntry = tuple[int, bytes, bytes, bytes, bytes]
+
+HEAP_SLACK = 1024
+"""Stale expiry entries tolerated beyond one per record before the heap is rebuilt."""
 
 
 def _any_live(holders: Iterable[StoredReplica], now_ms: int) -> bool:
@@ -67,6 +74,19 @@ class MemoryStore:
             self._count += 1
         holders[holder] = (record, expires_ms)
         heapq.heappush(self._heap, (expires_ms, compat, scope, key, holder))
+        if len(self._heap) > 2 * self._count + HEAP_SLACK:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """One entry per stored record, at its current expiry; the stale entries go."""
+        heap: list[_HeapEntry] = [
+            (expires, compat, scope, key, holder)
+            for (compat, scope), group in self._groups.items()
+            for key, holders in group.items()
+            for holder, (_, expires) in holders.items()
+        ]
+        heapq.heapify(heap)
+        self._heap = heap
 
     async def put(self, record: ReplicaRecord, expires_ms: int) -> None:
         """Store or refresh ``record`` until ``expires_ms``."""

@@ -16,7 +16,7 @@ from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord, Residency
 from kvsp.registries import InstanceState, Tier
 from kvsp.stores.base import ReplicaStore, holder_id_of
-from kvsp.stores.memory import MemoryStore
+from kvsp.stores.memory import HEAP_SLACK, MemoryStore
 
 T = TypeVar("T")
 COMPAT = CompatId(b"\x01" * 32)
@@ -199,6 +199,21 @@ def test_refresh_leaves_a_stale_heap_entry_behind() -> None:
     assert store.pending_expiries() == 1
     assert [[e for _, e in f] for f in run(store.lookup(COMPAT, SCOPE, keys(0), 150))] == [[300]]
     assert run(store.sweep(now_ms=300, max_items=10)) == 1
+    assert run(store.count()) == 0
+    assert store.pending_expiries() == 0
+
+
+def test_frequent_refreshes_keep_the_expiry_heap_bounded_by_the_records() -> None:
+    store = MemoryStore()
+    run(store.put_many([(record(i), 10_000) for i in range(100)]))
+    for step in range(50):  # 5,000 refreshes, far more than the records, none of them due
+        run(store.put_many([(record(i), 10_000 + step) for i in range(100)]))
+        assert store.pending_expiries() <= 2 * 100 + HEAP_SLACK
+    assert run(store.count()) == 100
+    # the rebuilt heap still expires each record at its latest expiry, and only then
+    assert run(store.sweep(now_ms=10_048, max_items=10_000)) == 0
+    assert len(run(store.lookup(COMPAT, SCOPE, keys(*range(100)), now_ms=10_048))) == 100
+    assert run(store.sweep(now_ms=10_049, max_items=10_000)) == 100
     assert run(store.count()) == 0
     assert store.pending_expiries() == 0
 

@@ -77,8 +77,11 @@ SERVICE = textwrap.dedent(
 
 
 def spawn(group: ProcessGroup, tmp_path: Path, name: str, *flags: str) -> int:
+    # Written once: rewriting it truncates the file under a service that is still reading it,
+    # which then runs an empty script and exits 0 before it is ready.
     script = tmp_path / "service.py"
-    script.write_text(SERVICE)
+    if not script.exists():
+        script.write_text(SERVICE)
     service = group.spawn(name, [sys.executable, str(script), *flags], tmp_path / name)
     return service.pid
 
@@ -89,10 +92,14 @@ def spawn(group: ProcessGroup, tmp_path: Path, name: str, *flags: str) -> int:
 @pytest.mark.skipif(not PROC, reason="reads /proc")
 def test_stop_ends_every_service_and_what_they_started(tmp_path: Path) -> None:
     group = ProcessGroup()
-    first = spawn(group, tmp_path, "first")
-    second = spawn(group, tmp_path, "second", "--child")
-    stubborn = spawn(group, tmp_path, "stubborn", "--stubborn")
-    group.wait_ready(["first", "second", "stubborn"], 20)
+    try:
+        first = spawn(group, tmp_path, "first")
+        second = spawn(group, tmp_path, "second", "--child")
+        stubborn = spawn(group, tmp_path, "stubborn", "--stubborn")
+        group.wait_ready(["first", "second", "stubborn"], 20)
+    except BaseException:
+        group.stop(grace_s=1.0)  # no service outlives a failed start
+        raise
     kid = int((tmp_path / "second" / "kid").read_text())
     assert os.getpgid(second) == os.getpgid(kid) == first  # one group, led by the first
     assert os.getpgid(first) != os.getpgid(0)  # apart from ours: a Ctrl-C reaches us only

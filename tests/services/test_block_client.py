@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvsp.container import Container, Geometry, decode_container, replica_digest
+from kvsp import sha256x2
+from kvsp.container import Container, Geometry, decode_container, header_size, replica_digest
 from kvsp.errors import (
     ContainerError,
     DigestMismatch,
@@ -30,6 +31,7 @@ from kvsp.errors import (
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LeaseRequest, ReplicaRecord
 from kvsp.services.block_client import (
+    DEFAULT_HASHING,
     BlockClient,
     FetchStats,
     SliceBody,
@@ -112,7 +114,15 @@ def same_layers(block: Container, first: int, last: int) -> bool:
     ]
 
 
-HASHING = ["inline", "thread", "split", "slices"]
+HASHING = ["inline", "thread", "split", "slices", "paired"]
+# SliceBody with and without the native two-stream SHA-256 (kvsp.sha256x2)
+PAIRED = [
+    False,
+    pytest.param(
+        True,
+        marks=pytest.mark.skipif(not sha256x2.ACCELERATED, reason="no native SHA-256 pairing"),
+    ),
+]
 
 
 @pytest.mark.parametrize("hashing", HASHING)
@@ -368,14 +378,19 @@ def test_malformed_container_is_a_container_error(server: RunningService) -> Non
 # -- SliceBody: the contiguous body hashed in slices -------------------------------------------
 
 
-def test_slices_is_the_default_and_the_other_checks_hold(server: RunningService) -> None:
-    assert BlockClient(srv.TOKEN).hashing == "slices"
+def test_default_placement_follows_the_native_hashing() -> None:
+    want = "paired" if sha256x2.ACCELERATED else "slices"
+    assert BlockClient(srv.TOKEN).hashing == DEFAULT_HASHING == want
+
+
+@pytest.mark.parametrize("hashing", ["slices", "paired"])
+def test_sliced_placements_hold_the_other_checks(server: RunningService, hashing: str) -> None:
     holder = f"{server.base_url}good/"
-    assert same_layers(get(holder, record(holder, layer_digests=None), hashing="slices"), 0, 7)
+    assert same_layers(get(holder, record(holder, layer_digests=None), hashing=hashing), 0, 7)
     with pytest.raises(DigestMismatch, match="replica digest"):
-        get(holder, record(holder, layer_digests=None, digest=bytes(32)), hashing="slices")
+        get(holder, record(holder, layer_digests=None, digest=bytes(32)), hashing=hashing)
     with pytest.raises(DigestMismatch, match="layer"):
-        get(f"{server.base_url}flip/", layers=(4, 7), hashing="slices")
+        get(f"{server.base_url}flip/", layers=(4, 7), hashing=hashing)
 
 
 def test_slices_on_uvloop(server: RunningService) -> None:
@@ -404,6 +419,7 @@ def feed_slices(
     piece: int = 1000,
     rec: ReplicaRecord | None = None,
     workers: int | None = 2,
+    paired: bool = False,
 ) -> tuple[Container, bool]:
     """Feed ``body`` through a SliceBody in ``piece``-octet writes, as the bulk path does."""
     rec = rec or record("http://h.example/")
@@ -414,7 +430,7 @@ def feed_slices(
             plan = _plan(rec, layers, GEOMETRY, None)
             digest = hashlib.sha256(body).digest() if expected is None else expected
             size = len(body) if length is None else length
-            consumer = SliceBody(plan, digest, size, executor=pool, step=3000)
+            consumer = SliceBody(plan, digest, size, executor=pool, step=3000, paired=paired)
             fed = 0
             try:
                 while fed < min(len(body), size):
@@ -436,34 +452,53 @@ def feed_slices(
     return run(main())
 
 
+@pytest.mark.parametrize("paired", PAIRED)
 @pytest.mark.parametrize("workers", [None, 1, 2])
 @pytest.mark.parametrize("piece", [1, 7, 1000, 1 << 20])
-def test_slice_body_hands_out_views_of_verified_layers(workers: int | None, piece: int) -> None:
+def test_slice_body_hands_out_views_of_verified_layers(
+    workers: int | None, piece: int, paired: bool
+) -> None:
     body = srv.block_container(KEY)  # piece 1: every boundary is crossed mid-write
-    container, producer = feed_slices(body, piece=piece, workers=workers)
+    container, producer = feed_slices(body, piece=piece, workers=workers, paired=paired)
+    assert producer and same_layers(container, 0, 7)
+    # without layer_digests the layers' own digests must give the replica digest
+    rec = record("http://h.example/", layer_digests=None)
+    container, producer = feed_slices(body, piece=piece, workers=workers, rec=rec, paired=paired)
     assert producer and same_layers(container, 0, 7)
 
 
-def test_slice_body_refuses_what_verification_refuses() -> None:
+@pytest.mark.parametrize("paired", PAIRED)
+def test_slice_body_refuses_what_verification_refuses(paired: bool) -> None:
     body = srv.block_container(KEY)
+
+    def feed(data: bytes, **kwargs: Any) -> tuple[Container, bool]:
+        return feed_slices(data, paired=paired, **kwargs)
+
     with pytest.raises(DigestMismatch, match="Repr-Digest"):
-        feed_slices(body, expected=bytes(32))
+        feed(body, expected=bytes(32))
     flipped = bytearray(body)
     flipped[-1] ^= 1  # the last layer's V section; Repr-Digest is of the flipped octets
     with pytest.raises(DigestMismatch, match="layer 7"):
-        feed_slices(bytes(flipped))
+        feed(bytes(flipped))
+    flipped = bytearray(body)
+    layer_span = (len(body) - header_size(8)) // 8  # eight layers of one size, no trailer
+    flipped[header_size(8) + 3 * layer_span] ^= (
+        1  # the first octet of layer 3: caught when layer 3 completes
+    )
+    with pytest.raises(DigestMismatch, match="layer 3"):
+        feed(bytes(flipped))
     with pytest.raises(ContainerError, match="container of"):
-        feed_slices(body + b"x")  # Content-Length one beyond the container
+        feed(body + b"x")  # Content-Length one beyond the container
     with pytest.raises(ContainerError, match="container of"):
-        feed_slices(body[:-1])
+        feed(body[:-1])
     with pytest.raises(ContainerError, match="not a KVB1"):
-        feed_slices(body[:5])
+        feed(body[:5])
     with pytest.raises(ContainerError):
-        feed_slices(b"NOPE" + body[4:])
+        feed(b"NOPE" + body[4:])
     with pytest.raises(Incompatible, match="asked for layers 3-7"):
-        feed_slices(body, layers=(3, 7))  # the whole container where a range was asked
+        feed(body, layers=(3, 7))  # the whole container where a range was asked
     with pytest.raises(DigestMismatch, match="replica digest"):
-        feed_slices(body, rec=record("http://h.example/", layer_digests=None, digest=bytes(32)))
+        feed(body, rec=record("http://h.example/", layer_digests=None, digest=bytes(32)))
 
 
 def test_parts_response_sends_each_part_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -500,3 +535,60 @@ def test_parts_response_sends_each_part_once(monkeypatch: pytest.MonkeyPatch) ->
     run(PartsResponse([b"abcde"], headers={}, media_type="x/y")({}, receive, send))
     assert [bytes(m["body"]) for m in sent[1:]] == [b"ab", b"cd", b"e"]
     assert [m["more_body"] for m in sent[1:]] == [True, True, False]
+
+
+@pytest.mark.skipif(not sha256x2.ACCELERATED, reason="no native SHA-256 pairing")
+def test_paired_slice_body_hashes_both_streams_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvsp.services import block_client  # noqa: PLC0415 - the module under test
+
+    calls: list[tuple[int, int]] = []
+    native = sha256x2.feed_layers
+
+    def counting(
+        a: sha256x2.Sha256, b: sha256x2.Sha256, data: memoryview, ends: list[int]
+    ) -> list[bytes]:
+        calls.append((len(data), len(ends)))
+        return native(a, b, data, ends)
+
+    monkeypatch.setattr(block_client.sha256x2, "feed_layers", counting)
+    body = srv.block_container(KEY)
+    container, producer = feed_slices(body, piece=1 << 20, paired=True)
+    assert producer and same_layers(container, 0, 7)
+    # every layer octet once, in pairs, each layer finished once, a few calls per block
+    assert sum(n for n, _ in calls) == len(body) - header_size(8)
+    assert sum(k for _, k in calls) == 8 and len(calls) <= len(body) // 3000 + 2
+    calls.clear()
+    feed_slices(body, piece=1 << 20, paired=False)
+    assert calls == []
+
+
+def test_paired_verification_leaves_a_core_to_the_receiving_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvsp.services import block_client  # noqa: PLC0415 - the module under test
+
+    for cores, want in ((1, 1), (2, 1), (3, 2), (16, 4)):
+        monkeypatch.setattr(block_client.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        assert block_client.default_workers("paired") == want
+        assert block_client.default_workers("slices") == 2  # its two passes of one block at once
+
+
+def test_paired_falls_back_to_hashlib_where_the_native_pairing_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvsp.services import block_client  # noqa: PLC0415 - the module under test
+
+    def refuse(*_: object) -> list[bytes]:
+        raise AssertionError("the native pairing ran")
+
+    monkeypatch.setattr(block_client.sha256x2, "ACCELERATED", False)
+    monkeypatch.setattr(block_client.sha256x2, "feed_layers", refuse)
+    body = srv.block_container(KEY)
+    container, producer = feed_slices(body, paired=True)
+    assert producer and same_layers(container, 0, 7)
+    flipped = bytearray(body)
+    flipped[-1] ^= 1
+    with pytest.raises(DigestMismatch, match="layer 7"):
+        feed_slices(bytes(flipped), paired=True)

@@ -1,0 +1,19 @@
+"""Types of the native module built from ``kvsp/_sha256x2.c`` (see :mod:`kvsp.sha256x2`)."""
+
+from collections.abc import Sequence
+
+from typing_extensions import Buffer
+
+accelerated: int
+
+class Sha256:
+    """Streaming SHA-256 on the x86 SHA extensions; ``update`` releases the GIL."""
+
+    def __init__(self, data: Buffer = ..., /) -> None: ...
+    def update(self, data: Buffer, /) -> None: ...
+    def digest(self) -> bytes: ...
+    @property
+    def length(self) -> int: ...
+
+def update2(a: Sha256, b: Sha256, data: Buffer, /) -> None: ...
+def feed_layers(a: Sha256, b: Sha256, data: Buffer, ends: Sequence[int], /) -> list[bytes]: ...

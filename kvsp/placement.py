@@ -603,7 +603,9 @@ def choose_instance(
 
     Only candidates whose ``state`` is active are considered (§6.3 MUST NOT). A candidate is
     acceptable when its cost is finite and at most ``max_cost_us`` and it has capacity
-    (:func:`has_capacity`). Ties go to the lower ``wait_us``, then the lower instance URI.
+    (:func:`has_capacity`). Ties go to the lower ``wait_us``, then to the less busy instance
+    (``running / batch_size``: §6.4's wait counts only the queued requests, so between equal
+    costs an idle instance is the better guess), then to the lower instance URI.
     ``None`` tells the caller that it may start an instance (§6.4).
 
     Raises:
@@ -613,6 +615,7 @@ def choose_instance(
     _check_request(inputs, block_tokens, prompt_tokens)
     best: PlacementEstimate | None = None
     best_status: InstanceStatusLike | None = None
+    best_rank: tuple[float, float, float, str] = (math.inf, math.inf, math.inf, "")
     considered = 0
     for status in candidates:
         # MUST NOT assign new requests to an instance that is not active (§6.3).
@@ -628,8 +631,9 @@ def choose_instance(
         )
         if not est.cost_us <= max_cost_us or est.cost_us == math.inf:
             continue
-        if best is None or _rank(est) < _rank(best):
-            best, best_status = est, status
+        rank = _rank(est, status)
+        if best is None or rank < best_rank:
+            best, best_status, best_rank = est, status, rank
     if best is None or best_status is None:
         return None
     detailed = estimate_instance(
@@ -643,5 +647,6 @@ def choose_instance(
     return PlacementDecision(instance=detailed.instance, estimate=detailed, considered=considered)
 
 
-def _rank(est: PlacementEstimate) -> tuple[float, float, str]:
-    return (est.cost_us, est.wait_us, est.instance)
+def _rank(est: PlacementEstimate, status: InstanceStatusLike) -> tuple[float, float, float, str]:
+    busy = status.running / status.batch_size if status.batch_size > 0 else math.inf
+    return (est.cost_us, est.wait_us, busy, est.instance)

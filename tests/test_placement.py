@@ -293,6 +293,22 @@ def test_inactive_instances_are_never_chosen(state: str) -> None:
     assert _choose([cheap], blocks, 16) is None
 
 
+def test_tie_between_equal_costs_and_waits_goes_to_the_less_busy_instance() -> None:
+    # §6.4's wait counts only the queued: both wait 0 and cost 1e6·40/40000 = 1000
+    busy = Status(instance="https://a.example/", running=1, batch_size=1)
+    idle = Status(instance="https://b.example/", running=0, batch_size=1)
+    half = Status(instance="https://c.example/", running=16, batch_size=32)
+    for order in ([busy, idle], [idle, busy]):
+        decision = _choose(order, [], 40)
+        assert decision is not None and decision.instance == idle.instance
+    for order in ([busy, half], [half, busy]):  # running / batch_size: 1 against 0.5
+        decision = _choose(order, [], 40)
+        assert decision is not None and decision.instance == half.instance
+    dear = Status(instance="https://d.example/", running=0, queued=0, prefill_tokens_per_s=1)
+    decision = _choose([busy, dear], [], 40)  # a lower cost still wins over an idle instance
+    assert decision is not None and decision.instance == busy.instance
+
+
 def test_tie_breaks_lower_wait_then_uri() -> None:
     # a: 1 queued × 100 + 1e6·40/100000 = 100 + 400; b: 0 + 1e6·40/80000 = 500 — equal costs
     a = Status(instance="https://a.example/", queued=1, prefill_tokens_per_s=100_000)

@@ -40,6 +40,11 @@ SCENARIO = [
     _line(120_001, range(2000, 2060)),  # r3: unrelated, 60 blocks
     _line(120_002, [*A, 100, 101]),  # r4: A + 2, while A's holder is busy
 ]
+FULL = [  # as SCENARIO, with four unrelated prompts that fill the cluster and queue at ii0
+    *SCENARIO[:2],
+    *(_line(120_000 + i, range(1000 * (i + 1), 1000 * (i + 1) + 60)) for i in range(4)),
+    _line(120_004, [*A, 100, 101]),  # r6: A + 2, while A's holder runs one and queues one
+]
 
 
 def _run(policy: str, lines: Sequence[str] = SCENARIO) -> list[Outcome]:
@@ -47,25 +52,35 @@ def _run(policy: str, lines: Sequence[str] = SCENARIO) -> list[Outcome]:
 
 
 def test_kvsp_uses_the_idle_holder_of_a_prefix_and_fetches_past_a_queue() -> None:
-    r0, r1, r2, r3, r4 = _run("kvsp")
+    r0, r1, r2, r3, r4, r5, r6 = _run("kvsp", FULL)
     assert (r0.instance, r0.reused_blocks) == (0, 0)
     # The holder is idle: reuse its 40 blocks in place, fetch nothing.
     assert (r1.instance, r1.reused_blocks, r1.fetched_blocks) == (0, 40, 0)
-    # §6.4 as written counts only *queued* requests in wait_us, so r3 joins ii0 behind the
-    # running r2 (a tie at wait 0); with ii0's queue non-empty, r4 goes to an idle instance
-    # and loads A from ii0 rather than wait.
-    assert (r2.instance, r3.instance) == (0, 0)
-    assert (r4.instance, r4.reused_blocks, r4.fetched_blocks) == (1, 40, 40)
-    assert r4.recomputed_tokens == 2 * B + 100
-    # Loading 40 blocks of 160 MiB at 800 Gbit/s takes ~70 ms, far below recomputing them.
-    assert r4.ttft_us < 1e6
+    # Equal costs and waits: the idle instances first, then (all busy) the lowest URI, where
+    # r5 queues behind r2.
+    assert [r.instance for r in (r2, r3, r4, r5)] == [0, 1, 2, 0]
+    # ii0 has a queue, the others none (§6.4 counts the queued only): r6 goes to ii1 and
+    # loads A from ii0 rather than wait behind two prompts.
+    assert (r6.instance, r6.reused_blocks, r6.fetched_blocks) == (1, 40, 40)
+    assert r6.recomputed_tokens == 2 * B + 100
+    assert r6.ttft_us < r5.ttft_us
 
 
 def test_local_cache_aware_waits_for_the_busy_holder() -> None:
-    r4 = _run("local-cache-aware")[4]
-    kvsp_r4 = _run("kvsp")[4]
-    assert r4.instance == 0 and r4.fetched_blocks == 0
-    assert kvsp_r4.ttft_us < r4.ttft_us / 5
+    r6 = _run("local-cache-aware", FULL)[-1]
+    kvsp_r6 = _run("kvsp", FULL)[-1]
+    assert r6.instance == 0 and r6.fetched_blocks == 0
+    # behind two 60-block prompts at ii0, against one at ii1 (and 70 ms of loading)
+    assert kvsp_r6.ttft_us < 0.6 * r6.ttft_us
+
+
+def test_kvsp_as_written_does_not_see_the_running_request() -> None:
+    _, _, r2, r3, r4 = _run("kvsp")
+    # r3 takes the idle ii1; r4's prefix holder ii0 runs r2 with nothing queued, so §6.4's
+    # wait there is 0 and nothing beats reusing A in place: r4 waits for all of r2.
+    assert (r2.instance, r3.instance) == (0, 1)
+    assert (r4.instance, r4.fetched_blocks) == (0, 0)
+    assert r4.ttft_us > r2.ttft_us
 
 
 def test_backlog_aware_sees_the_running_request() -> None:
@@ -73,6 +88,7 @@ def test_backlog_aware_sees_the_running_request() -> None:
     assert (r1.instance, r1.fetched_blocks) == (0, 0)
     assert (r2.instance, r3.instance) == (0, 1)
     assert (r4.instance, r4.fetched_blocks) == (2, 40)
+    assert r4.ttft_us < _run("kvsp")[4].ttft_us / 5
 
 
 def test_baselines_never_fetch() -> None:
@@ -116,9 +132,10 @@ def test_the_seed_changes_random_placements() -> None:
 
 def test_without_layerwise_overlap_the_fetch_precedes_prefill() -> None:
     config = ClusterConfig(instances=3, layerwise_overlap=False)
-    r4 = simulate(config, _requests(SCENARIO, config), "kvsp", seed=0).outcomes[4]
-    overlapped = _run("kvsp")[4]
-    assert r4.instance == overlapped.instance == 1
+    r4 = simulate(config, _requests(SCENARIO, config), "kvsp-backlog", seed=0).outcomes[4]
+    overlapped = _run("kvsp-backlog")[4]  # fetched to the idle ii2: nothing hides the load
+    assert r4.instance == overlapped.instance == 2
+    assert r4.fetched_blocks == overlapped.fetched_blocks == 40
     assert r4.ttft_us > overlapped.ttft_us
 
 

@@ -21,6 +21,9 @@ from kvsp.engine.config import ModelConfig
 from kvsp.engine.kvcache import PagedKVCache
 from kvsp.engine.rope import Rope, apply_rope
 
+ATTEND_SCORES = 1 << 26
+"""Attention scores (floats) computed at once: 256 MiB; longer prompts go in query slices."""
+
 LAYER_TENSORS = {
     "q": "self_attn.q_proj.weight",
     "k": "self_attn.k_proj.weight",
@@ -131,10 +134,7 @@ class LlamaModel:
         page_of = pages[positions // block]
         slots = positions % block
         used = pages[: -(-total // block)]
-        mask = None
-        if n > 1:  # query i sees keys up to position start + i
-            keys = torch.arange(total, device=self.device)
-            mask = keys[None, :] <= positions[:, None]
+        causal = positions if n > 1 else None  # query i sees keys up to position start + i
         h = F.embedding(tokens, w.embed)
         for index, layer in enumerate(w.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
@@ -146,23 +146,48 @@ class LlamaModel:
             if wait is not None:
                 wait(index)
             keys_l, values_l = cache.gather(index, used, total, self.dtype)
-            h = h + F.linear(self._attend(q, keys_l, values_l, mask), layer.o)
+            h = h + F.linear(self._attend(q, keys_l, values_l, causal), layer.o)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h = h + F.linear(F.silu(F.linear(x, layer.gate)) * F.linear(x, layer.up), layer.down)
         h = rms_norm(h if all_logits else h[-1:], w.norm, c.rms_norm_eps)
         return F.linear(h, w.lm_head)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
-        """Grouped-query attention: query head j reads KV head j // group_size."""
+        """Grouped-query attention: query head j reads KV head j // group_size; with
+        ``positions`` (one per query) query i sees the keys up to ``positions[i]``.
+
+        The scores of all queries against all keys take ``heads * n * total`` floats (17 GiB
+        for a 32k-token prompt with 4 heads), so beyond :data:`ATTEND_SCORES` they are
+        computed for slices of the queries in turn. Each query's row is the same sum either
+        way; the BLAS may block it differently (about 1e-6 on logits of magnitude 4).
+        """
+        n, heads = q.shape[0], self.config.num_attention_heads
+        total = k.shape[0]
+        rows = max(1, ATTEND_SCORES // (heads * total))
+        if n <= rows:
+            return self._attend_rows(q, k, v, positions)
+        return torch.cat(
+            [
+                self._attend_rows(
+                    q[a : a + rows], k, v, None if positions is None else positions[a : a + rows]
+                )
+                for a in range(0, n, rows)
+            ]
+        )
+
+    def _attend_rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
         c = self.config
         n, kvh, group, hd = q.shape[0], c.num_key_value_heads, c.group_size, c.head_dim
         qg = q.view(n, kvh, group, hd).permute(1, 2, 0, 3)  # [kvh, group, n, hd]
         kt = k.permute(1, 2, 0)[:, None]  # [kvh, 1, hd, total]
         scores = torch.matmul(qg, kt) * (hd**-0.5)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        if positions is not None:
+            keys = torch.arange(k.shape[0], device=k.device)
+            scores = scores.masked_fill(keys[None, :] > positions[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v.permute(1, 0, 2)[:, None])  # [kvh, group, n, hd]
         return out.permute(2, 0, 1, 3).reshape(n, kvh * group * hd)

@@ -420,10 +420,9 @@ class SliceBody:
     With ``paired`` (and :data:`kvsp.sha256x2.ACCELERATED`) a block in the replica's codec is
     hashed in one ordered pass instead: each slice feeds the ``Repr-Digest`` stream and the
     current layer's stream together, the two interleaved on the SHA extensions
-    (:func:`kvsp.sha256x2.feed_layers`, one GIL release per slice: a worker
-    that must win the GIL back from the event loop after every layer waits up to the
-    interpreter's switch interval each time), and a layer's digest is checked as soon as its
-    last octet is hashed.
+    (:func:`kvsp.sha256x2.feed_layers`: one native call, and one GIL release, per slice
+    however many layers it spans), and a layer's digest is checked as soon as its last octet
+    is hashed.
 
     Raises: as :class:`VerifyingBody`.
     """
@@ -847,9 +846,9 @@ def default_workers(hashing: Hashing) -> int:
     of ``bench_blocks.py`` one thread moved 1.1-1.2 GB/s at 4 in flight where two moved
     0.9-1.0 (the second competes with the receiving loop and the server for the two cores).
     The hashlib placements keep two, so that ``"split"`` and ``"slices"`` hash their two
-    passes of one block at once.
+    passes of one block at once (``"paired"`` too where it falls back to ``"slices"``).
     """
-    if hashing != "paired":
+    if hashing != "paired" or not sha256x2.ACCELERATED:
         return 2
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(4, (cores or 2) - 1))

@@ -569,10 +569,13 @@ def test_paired_verification_leaves_a_core_to_the_receiving_loop(
 ) -> None:
     from kvsp.services import block_client  # noqa: PLC0415 - the module under test
 
+    monkeypatch.setattr(block_client.sha256x2, "ACCELERATED", True)
     for cores, want in ((1, 1), (2, 1), (3, 2), (16, 4)):
         monkeypatch.setattr(block_client.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
         assert block_client.default_workers("paired") == want
         assert block_client.default_workers("slices") == 2  # its two passes of one block at once
+    monkeypatch.setattr(block_client.sha256x2, "ACCELERATED", False)
+    assert block_client.default_workers("paired") == 2  # hashing as "slices"
 
 
 def test_paired_falls_back_to_hashlib_where_the_native_pairing_cannot_run(

@@ -200,11 +200,16 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
+def datagrams(row: Any) -> str:
+    """``bench_moqt``'s datagram size of a row (-1: the backend's defaults, 1200 B)."""
+    return "library defaults" if row["datagram"] == -1 else f"{row['datagram']} B datagrams"
+
+
 def goodput_rows(data: Any) -> list[tuple[str, float, str]]:
     """(path, MB/s, note) of every transport ``bench_moqt --json`` measured."""
     rows = [(p["path"], float(p["mb_s"]), p.get("note", "")) for p in data.get("paths", [])]
     for r in data.get("moqt", []):
-        label = f"MOQT FETCH vs raw QUIC, {r['backend']} {r['datagram']} B datagrams"
+        label = f"MOQT FETCH vs raw QUIC, {r['backend']} {datagrams(r)}"
         rows.append((f"{label}: MOQT", float(r["moqt_mb_s"]), ""))
         rows.append((f"{label}: raw QUIC", float(r["raw_mb_s"]), ""))
     return rows
@@ -309,7 +314,7 @@ def plot_goodput(plt: Any, data: Any, path: Path) -> Path | None:
         x = range(len(pairs))
         ax.bar([i - 0.2 for i in x], [r["moqt_mb_s"] for r in pairs], 0.4, label="MOQT FETCH")
         ax.bar([i + 0.2 for i in x], [r["raw_mb_s"] for r in pairs], 0.4, label="raw QUIC")
-        labels = [f"{r['backend']}\n{r['datagram']} B" for r in pairs]
+        labels = [f"{r['backend']}\n{datagrams(r).removesuffix('datagrams')}" for r in pairs]
         ax.set_xticks(list(x), labels, fontsize=8)
         ax.set_ylabel("goodput, MB/s")
         ax.set_title("MOQT against raw QUIC, by backend and datagram size")

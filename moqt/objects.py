@@ -215,6 +215,19 @@ class DataStreamParser:
             self._finish(events)
         return events
 
+    def payload_within(self, size: int) -> int:
+        """The fast path of :meth:`feed` for ``size`` octets that lie wholly inside the
+        current object's payload, short of its end: takes them and returns their payload
+        offset (what :meth:`feed` would give as one :class:`ObjectChunk`), or returns -1
+        and takes nothing when they do not (a header, an object end, an ended stream)."""
+        left = self._payload_left
+        if size >= left or self._done or size <= 0:
+            return -1
+        offset = self._offset
+        self._offset = offset + size
+        self._payload_left = left - size
+        return offset
+
     def _take_payload(self, view: memoryview, pos: int, events: list[DataStreamEvent]) -> int:
         take = min(self._payload_left, len(view) - pos)
         events.append(ObjectChunk(view[pos : pos + take], self._offset))

@@ -62,7 +62,7 @@ from .session_state import (
     StreamClosedError,
     StreamsBlockedError,
 )
-from .wire import Bytes, KeyValuePair
+from .wire import Bytes, KeyValuePair, as_byte_view
 
 DEFAULT_PRIORITY = 128  # §7.1: publisher priority when nothing else is said
 HELD_BYTES_MAX = 8 << 20  # streams held for an unbound alias; past this they are stopped
@@ -145,6 +145,8 @@ class DataPlane:
                 del self._in_streams[stream_id]
             return
         stream.ended = end_stream
+        if not end_stream and self._payload_to_sink(stream_id, stream, data):
+            return
         try:
             parsed = stream.parser.feed(data, end_stream=end_stream)
         except MalformedTrack as exc:
@@ -165,6 +167,22 @@ class DataPlane:
                     self._route(stream_id, stream, event, out)
         if end_stream and stream.held is None:
             self._in_streams.pop(stream_id, None)
+
+    def _payload_to_sink(self, stream_id: int, stream: _InStream, data: bytes) -> bool:
+        """The hot path: a piece wholly inside one object's payload, on a bound stream whose
+        track has a sink, goes straight to it without the parser's events."""
+        request_id = stream.request_id
+        if request_id is None or stream.held:
+            return False
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            return False
+        offset = stream.parser.payload_within(len(data))
+        if offset < 0:
+            return False
+        self.payload_octets_received += len(data)
+        sink.on_payload(stream_id, as_byte_view(data), offset)
+        return True
 
     def _route(
         self, stream_id: int, stream: _InStream, event: DataStreamEvent, out: list[MOQTEvent]

@@ -551,6 +551,51 @@ def test_stream_round_trip_any_chunking(
     assert feed_in(wire, random_sizes(rng)) == expected
 
 
+def feed_fast(data: bytes, sizes: Sequence[int]) -> list[Any]:
+    """As :func:`feed_in`, but each piece first tries :meth:`DataStreamParser.payload_within`
+    (the session's sink path), standing in an ObjectChunk for what it takes."""
+    parser = DataStreamParser()
+    events: list[DataStreamEvent] = []
+    pos, i = 0, 0
+    while pos < len(data):
+        piece = data[pos : pos + sizes[i % len(sizes)]]
+        pos, i = pos + len(piece), i + 1
+        end = pos == len(data)
+        offset = -1 if end else parser.payload_within(len(piece))
+        if offset >= 0:
+            events.append(ObjectChunk(memoryview(piece), offset))
+        else:
+            events += parser.feed(piece, end_stream=end)
+    return collect(events)
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(subgroup_streams(), fetch_streams()), st.randoms(use_true_random=False))
+def test_payload_fast_path_gives_what_feed_gives(
+    stream: tuple[bytes, list[tuple[Any, ...]]], rng: random.Random
+) -> None:
+    wire, expected = stream
+    assert feed_fast(wire, [1]) == expected
+    assert feed_fast(wire, random_sizes(rng)) == expected
+
+
+def test_payload_fast_path_takes_only_what_lies_inside_a_payload() -> None:
+    writer = FetchStreamWriter(request_id=4)
+    head = writer.header_bytes() + writer.object_header(
+        group_id=0, object_id=0, subgroup_id=0, publisher_priority=1, payload_length=10
+    )
+    parser = DataStreamParser()
+    assert parser.payload_within(1) == -1  # the stream header comes first
+    assert len(parser.feed(head + b"ab")) == 3  # header, object start, a first chunk
+    assert parser.payload_within(0) == -1
+    assert parser.payload_within(8) == -1  # "cdefghij" would end the object: feed's job
+    assert parser.payload_within(3) == 2 and parser.payload_within(4) == 5
+    events = parser.feed(b"j", end_stream=True)  # the tenth octet ends it
+    assert [type(e).__name__ for e in events] == ["ObjectChunk", "ObjectEnd", "StreamFinished"]
+    assert events[0].offset == 9  # type: ignore[union-attr]
+    assert parser.payload_within(1) == -1  # ended
+
+
 # --- datagrams (§10.3.1) -----------------------------------------------------------------------
 
 VALID_DATAGRAM_TYPES = [

@@ -1,12 +1,20 @@
 """The placement policies the simulator compares.
 
-Baselines (they only reuse what the chosen instance already holds; they never fetch):
+Baselines (they only reuse what the chosen instance already holds; they never fetch). They see
+what the field's routers see and what the KVSP policy sees: the ``running`` and ``queued``
+counts of the Instance Status Records (vLLM's production-stack router and llm-d's queue scorer
+balance on request counts; no router is told how long each queued prompt will take):
 
 * ``random``: a uniformly random instance (seeded).
-* ``least-loaded``: the least predicted outstanding prefill work (the running request's
-  remainder plus the predictions of the queued ones); ties by queue length, then number.
+* ``least-loaded``: the fewest requests, ``running + queued``; ties by number.
 * ``local-cache-aware``: the longest prefix already in the instance's own cache; ties by
-  outstanding work, then number.
+  ``running + queued``, then number.
+
+Oracle variants, by name only (``--policy least-loaded-oracle,local-cache-aware-oracle``; not
+in ``all``): the same rules ranked by the simulator's own prediction of each instance's
+outstanding prefill work (the running request's remainder plus the predicted time of each
+queued one, from the true prefill model), information no status record carries. They bound
+what a router that knew every queued prompt's size could do with these rules.
 
 KVSP (spec §6.4 as written, through the real code): a lookup on the real Index Service gives the
 replicas of the matched prefix (§6.2); :func:`~kvsp.placement.choose_instance` ranks the active
@@ -86,34 +94,60 @@ class RandomPolicy(Policy):
         return Placement(instance=self._rng.choice(self.cluster.instances))
 
 
-def _load_rank(inst: Instance, now_us: float) -> tuple[float, int, int]:
-    busy = 0 if inst.running is None else 1
-    return (inst.outstanding_us(now_us), len(inst.queue) + busy, inst.number)
+def _requests(inst: Instance) -> int:
+    """``running + queued``, as the instance's status record reports them."""
+    return len(inst.queue) + (0 if inst.running is None else 1)
+
+
+def _count_rank(inst: Instance, now_us: float) -> tuple[float, int, int]:
+    return (_requests(inst), 0, inst.number)
+
+
+def _work_rank(inst: Instance, now_us: float) -> tuple[float, int, int]:
+    return (inst.outstanding_us(now_us), _requests(inst), inst.number)
 
 
 class LeastLoadedPolicy(Policy):
-    """The instance with the least predicted outstanding work."""
+    """The instance with the fewest requests (``running + queued``)."""
 
     name = "least-loaded"
+    _rank = staticmethod(_count_rank)
 
     def place(self, request: SimRequest, now_us: float) -> Placement:
         """The least loaded instance."""
-        return Placement(instance=min(self.cluster.instances, key=lambda i: _load_rank(i, now_us)))
+        rank = self._rank
+        return Placement(instance=min(self.cluster.instances, key=lambda i: rank(i, now_us)))
 
 
 class LocalCacheAwarePolicy(Policy):
-    """The instance whose own cache holds the longest prefix; ties by load."""
+    """The instance whose own cache holds the longest prefix; ties by ``running + queued``."""
 
     name = "local-cache-aware"
+    _rank = staticmethod(_count_rank)
 
     def place(self, request: SimRequest, now_us: float) -> Placement:
         """The instance with the longest local prefix."""
         keys = request.keys
+        load = self._rank
 
         def rank(inst: Instance) -> tuple[int, float, int, int]:
-            return (-inst.leading(keys), *_load_rank(inst, now_us))
+            return (-inst.leading(keys), *load(inst, now_us))
 
         return Placement(instance=min(self.cluster.instances, key=rank))
+
+
+class LeastWorkOraclePolicy(LeastLoadedPolicy):
+    """The instance with the least predicted outstanding work (an oracle: see the module)."""
+
+    name = "least-loaded-oracle"
+    _rank = staticmethod(_work_rank)
+
+
+class LocalCacheAwareOraclePolicy(LocalCacheAwarePolicy):
+    """The longest local prefix; ties by predicted outstanding work (an oracle)."""
+
+    name = "local-cache-aware-oracle"
+    _rank = staticmethod(_work_rank)
 
 
 class KvspPolicy(Policy):
@@ -250,4 +284,5 @@ SPEC_POLICIES: tuple[type[Policy], ...] = (
     KvspPolicy,
 )
 BEYOND_SPEC: tuple[type[Policy], ...] = (BacklogAwarePolicy,)
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (*SPEC_POLICIES, *BEYOND_SPEC)}
+ORACLES: tuple[type[Policy], ...] = (LeastWorkOraclePolicy, LocalCacheAwareOraclePolicy)
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (*SPEC_POLICIES, *BEYOND_SPEC, *ORACLES)}

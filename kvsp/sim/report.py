@@ -75,7 +75,7 @@ def summarize(result: RunResult, *, slo_s: float, runtime_s: float = 0.0) -> Sum
 
 
 _COLUMNS = (
-    ("policy", 18, "{:<18}"),
+    ("policy", 24, "{:<24}"),
     ("avg TTFT s", 10, "{:>10.2f}"),
     ("p90 TTFT s", 10, "{:>10.2f}"),
     ("hit %", 6, "{:>6.1f}"),

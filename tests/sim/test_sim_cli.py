@@ -110,3 +110,18 @@ def test_bad_arguments_are_typed_errors(
     args = _parse("--trace", str(trace), "--out", str(tmp_path), *argv)
     with pytest.raises(BadRequest, match=words):
         args.handler(args)
+
+
+def test_the_papers_ratio_is_printed_beside_the_conversation_trace(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    named = tmp_path / "conversation_trace.jsonl"
+    named.write_bytes(trace.read_bytes())
+    args = _parse("--trace", str(named), "--policy", "random,kvsp", "--out", str(tmp_path / "o"))
+    assert args.handler(args) == 0
+    text = capsys.readouterr().out
+    assert "average TTFT kvsp / random:" in text
+    assert "global cache-aware / random on this trace: 3.07 s / 19.65 s = 0.156" in text
+    args = _parse("--trace", str(trace), "--policy", "random", "--out", str(tmp_path / "p"))
+    assert args.handler(args) == 0
+    assert "global cache-aware" not in capsys.readouterr().out

@@ -91,8 +91,33 @@ def test_backlog_aware_sees_the_running_request() -> None:
     assert r4.ttft_us < _run("kvsp")[4].ttft_us / 5
 
 
+# r0 is a long prompt, r1 and r2 short ones; r3 (short) arrives while each instance runs one.
+BUSY = [
+    _line(0, range(3000, 3200)),
+    _line(1, [3300]),
+    _line(2, [3400]),
+    _line(3, [3500]),
+]
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "local-cache-aware"])
+def test_baselines_balance_on_request_counts_as_routers_see_them(policy: str) -> None:
+    r0, r1, r2, r3 = _run(policy, BUSY)
+    assert [r.instance for r in (r0, r1, r2)] == [0, 1, 2]
+    # One request at each instance: a tie, broken by number; r3 queues behind the long r0.
+    assert r3.instance == 0 and r3.ttft_us > r0.ttft_us
+
+
+@pytest.mark.parametrize("policy", ["least-loaded-oracle", "local-cache-aware-oracle"])
+def test_oracle_baselines_see_the_outstanding_work(policy: str) -> None:
+    r0, *_, r3 = _run(policy, BUSY)
+    counted = _run(policy.removesuffix("-oracle"), BUSY)[3]
+    assert r0.instance == 0 and r3.instance == 1
+    assert r3.ttft_us < counted.ttft_us / 10
+
+
 def test_baselines_never_fetch() -> None:
-    for policy in ("random", "least-loaded", "local-cache-aware"):
+    for policy in ("random", "least-loaded", "local-cache-aware", "least-loaded-oracle"):
         assert all(o.fetched_blocks == 0 for o in _run(policy))
 
 

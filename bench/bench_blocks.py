@@ -2,8 +2,10 @@
 verification costs, side by side in one run against one holder-like server.
 
 Run: ``.venv/bin/python bench/bench_blocks.py [--reps N] [--blocks N] [--server S]
-[--only REGEX] [--loop asyncio|uvloop]`` (``--only``: just the matching cases, with (a) and
-(b) always; ``--loop``: the client's event loop). The
+[--only REGEX] [--loop asyncio|uvloop|both]`` (``--only``: just the matching cases, with (a)
+and (b) always; ``--loop``: the client's event loop for (c)-(f); by default ``both`` where
+uvloop is installed, which runs the (f) cases once more on uvloop, the loop
+:mod:`kvsp.services.runner` gives every KVSP service, so the instances that fetch blocks). The
 server is ``kvsp serve holder`` (uvicorn with uvloop + httptools, in its own process; or, with
 ``--server test``, the test holder ``tests/services/bulk_server_for_tests.py``) holding eight
 2 MiB KVB1 containers (16 tokens × 32 layers × 8 kv_heads × 128 head_dim × bf16), served with
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.util
 import json
 import re
 import signal
@@ -226,7 +229,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=96, help="blocks per case and rep")
     parser.add_argument("--server", choices=["holder", "test"], default="holder")
     parser.add_argument("--only", default="", help="regex: run only the cases it matches")
-    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    default_loop = "both" if importlib.util.find_spec("uvloop") else "asyncio"
+    parser.add_argument("--loop", choices=["asyncio", "uvloop", "both"], default=default_loop)
     args = parser.parse_args()
     size = block_size()
     folder = Path(tempfile.mkdtemp(prefix="kvsp-bench-"))
@@ -300,13 +304,8 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
     urls = [block_url(base, key) for key in KEYS]
     paths = ["/" + url.split("/", 3)[3] for url in urls]
     floor_buf = bytearray(4 << 20)
-    factory = None
-    if loop_kind == "uvloop":
-        import uvloop  # noqa: PLC0415 - optional
-
-        factory = uvloop.new_event_loop
-    loop_runner = asyncio.Runner(loop_factory=factory)
-    loop = loop_runner.get_loop()
+    kinds = ["asyncio", "uvloop"] if loop_kind == "both" else [loop_kind]
+    runners = [asyncio.Runner(loop_factory=loop_factory(kind)) for kind in kinds]
     auth = {"authorization": f"Bearer {token}"}
     raw = RawHTTP(base, token)
     hx = httpx.AsyncClient(headers=auth, timeout=30)
@@ -315,12 +314,13 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
     placements: list[Hashing] = ["inline", "thread", "split", "slices"]
     if sha256x2.ACCELERATED:
         placements.append("paired")
-    verifiers = {h: BlockClient(token, hashing=h) for h in placements}
+    # one set of verifying clients per loop: a client's connections belong to its loop
+    verifiers = [{h: BlockClient(token, hashing=h) for h in placements} for _ in kinds]
 
     async def start_aiohttp() -> None:
         aio.append(aiohttp.ClientSession(headers=auth))
 
-    loop_runner.run(start_aiohttp())
+    runners[0].run(start_aiohttp())
 
     async def get_httpx(i: int) -> int:
         return len((await hx.get(urls[i % 8])).content)
@@ -334,17 +334,18 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
         body = response.body
         return len(body.data) if isinstance(body, BytesBody) else 0
 
-    def get_verified(hashing: Hashing) -> Callable[[int], Awaitable[int]]:
-        client = verifiers[hashing]
-
+    def get_verified(client: BlockClient) -> Callable[[int], Awaitable[int]]:
         async def one(i: int) -> int:
             block = await client.get_block(base, recs[i % 8], geometry=GEOMETRY)
             return sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers) and size
 
         return one
 
-    def aio_case(one: Callable[[int], Awaitable[int]], inflight: int) -> Callable[[], int]:
-        return lambda: loop.run_until_complete(spread(blocks, inflight, one))
+    def aio_case(
+        one: Callable[[int], Awaitable[int]], inflight: int, on: asyncio.Runner | None = None
+    ) -> Callable[[], int]:
+        target = (on or runners[0]).get_loop()
+        return lambda: target.run_until_complete(spread(blocks, inflight, one))
 
     cases: list[tuple[str, Callable[[], int]]] = [
         ("(a) TCP stream, blocking socket", lambda: tcp_floor(tcp_port, size, blocks, floor_buf)),
@@ -355,10 +356,12 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
         ("(e) BulkClient", aio_case(get_bulk, 1)),
         ("(e) BulkClient, 4 in flight", aio_case(get_bulk, 4)),
     ]
-    for hashing in placements:
-        for inflight in (1, 4):
-            name = f"(f) verified, hashing={hashing}, {inflight} in flight"
-            cases.append((name, aio_case(get_verified(hashing), inflight)))  # type: ignore[arg-type]
+    for kind, runner, clients in zip(kinds, runners, verifiers, strict=True):
+        tag = f" [{kind}]" if len(kinds) > 1 else ""
+        for hashing in placements:
+            for inflight in (1, 4):
+                name = f"(f) verified, hashing={hashing}, {inflight} in flight{tag}"
+                cases.append((name, aio_case(get_verified(clients[hashing]), inflight, runner)))
 
     keep = re.compile(only)
     cases = [c for i, c in enumerate(cases) if i < 2 or keep.search(c[0])]  # (a), (b) always
@@ -374,24 +377,39 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
     medians = {name: statistics.median(r) for (name, _), r in zip(cases, rates, strict=True)}
     print(f"block: {size} octets (2 MiB KVB1), {blocks} blocks per case, median of {reps} reps")
     hash_costs(size)
-    print(f"server: {label} (uvicorn + uvloop + httptools), client loop: {loop_kind}")
+    print(f"server: {label} (uvicorn + uvloop + httptools), client loop: {kinds[0]}", end="")
+    print(" (the (f) cases also on uvloop, marked)" if len(kinds) > 1 else "")
+    width = max(len(name) for name, _ in cases)
     for (name, _), r in zip(cases, rates, strict=True):
-        print(f"  {name:<44} {medians[name]:8.0f} MB/s   (min {min(r):.0f}, max {max(r):.0f})")
+        print(f"  {name:<{width}} {medians[name]:8.0f} MB/s   (min {min(r):.0f}, max {max(r):.0f})")
     floor_a = medians[cases[0][0]]
     floor_b = medians[cases[1][0]]
     for name, value in medians.items():
         if name.startswith("(f)"):
-            print(f"  {name:<44} (f)/(b) {value / floor_b:.2f}   (f)/(a) {value / floor_a:.2f}")
+            ratios = f"(f)/(b) {value / floor_b:.2f}   (f)/(a) {value / floor_a:.2f}"
+            print(f"  {name:<{width}} {ratios}")
 
-    async def close() -> None:
-        await hx.aclose()
-        await aio[0].close()
-        await bulk.aclose()
-        for client in verifiers.values():
+    async def close(clients: dict[Hashing, BlockClient], first: bool) -> None:
+        if first:
+            await hx.aclose()
+            await aio[0].close()
+            await bulk.aclose()
+        for client in clients.values():
             await client.aclose()
 
-    loop_runner.run(close())
-    loop_runner.close()
+    for n, (runner, clients) in enumerate(zip(runners, verifiers, strict=True)):
+        runner.run(close(clients, n == 0))
+        runner.close()
+
+
+def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop factory for ``kind`` (None: asyncio's default)."""
+    if kind != "uvloop":
+        return None
+    import uvloop  # noqa: PLC0415 - optional
+
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Run: ``.venv/bin/python bench/bench_moqt.py [--seconds S] [--backends aioquic,qh
 For every backend × max_datagram_size the server runs in its own process (so each side has a
 core) with both a MOQT server and a raw QUIC server; the client holds one connection to each and
 fetches whole blocks, alternating: one over MOQT (standalone FETCH {0,0}..{0,32}: FETCH_OK plus
-one fetch stream, payload counted by a payload sink as it arrives), one over raw QUIC (one bidi
+one fetch stream, payload pieces and object ends counted by sinks in the QUIC event handler
+as they arrive, :meth:`~moqt.transport.TrackReader.set_payload_sink` with ``object_end``), one
+over raw QUIC (one bidi
 stream per block, the server writing 2 MiB, bytes counted in the protocol's event handler), so
 both see the same load on a shared machine. Both use the same QUIC settings: the given datagram
 size, 64 MiB / 32 MiB flow-control windows and 4 MiB socket buffers. Goodput counts payload bytes
@@ -216,10 +218,15 @@ async def run_moqt(backend: str, datagram: int, port: int, cert: str, seconds: f
             def count(header: Any, data: memoryview, offset: int) -> None:
                 received[0] += len(data)
 
-            # the bulk path (a sink in the QUIC event handler, as the raw client counts there)
+            # the bulk path (sinks in the QUIC event handler, as the raw client counts there)
             sink = None if check else count
             response = await connection.fetch(
-                NS, TRACK, Location(0, 0), Location(0, 32), payload_sink=sink
+                NS,
+                TRACK,
+                Location(0, 0),
+                Location(0, 32),
+                payload_sink=sink,
+                object_end=None if check else (lambda header: None),
             )
             if check:
                 payload = b"".join([bytes(o.payload) async for o in response.track.objects()])
@@ -361,11 +368,17 @@ async def run_paired(
             def sink(header: Any, data: memoryview, offset: int) -> None:
                 counted[0] += len(data)
 
+            def object_end(header: Any) -> None:
+                objects[0] += 1
+
+            objects = [0]
             response = await connection.fetch(
-                NS, TRACK, Location(0, 0), Location(0, 32), payload_sink=sink
+                NS, TRACK, Location(0, 0), Location(0, 32), payload_sink=sink, object_end=object_end
             )
             async for _ in response.track.events():
-                pass  # object boundaries and the stream's end
+                pass  # the stream's opening and end (object ends go to object_end)
+            if objects[0] != 32:
+                raise AssertionError(f"{objects[0]} objects, expected 32")
             return counted[0]
 
         async def raw_block() -> int:

@@ -68,6 +68,7 @@ from .transport import (
     SEND_HIGH_WATER,
     WRITE_CHUNK,
     MalformedTrackError,
+    ObjectEndSink,
     ObjectSender,
     Payload,
     PayloadSink,
@@ -92,6 +93,7 @@ __all__ = [
     "MOQTConnection",
     "MOQTServer",
     "Payload",
+    "ObjectEndSink",
     "PayloadSink",
     "Publication",
     "ReceivedObject",
@@ -342,6 +344,7 @@ class MOQTConnection(ObjectSender):
         send: Callable[[], int],
         sink: PayloadSink | None,
         on_cancel: Callable[[int], None] | None = None,
+        object_end: ObjectEndSink | None = None,
     ) -> tuple[int, MOQTEvent, TrackReader]:
         """A request whose objects arrive on a reader made (with its sink) before it is sent."""
         readers: list[TrackReader] = []
@@ -350,7 +353,7 @@ class MOQTConnection(ObjectSender):
             request_id = send()
             reader = self.track(request_id)
             if sink is not None:
-                reader.set_payload_sink(sink)
+                reader.set_payload_sink(sink, object_end=object_end)
             readers.append(reader)
             return request_id
 
@@ -364,8 +367,9 @@ class MOQTConnection(ObjectSender):
         *,
         parameters: MessageParameters | None = None,
         payload_sink: PayloadSink | None = None,
+        object_end: ObjectEndSink | None = None,
     ) -> Subscription:
-        """SUBSCRIBE and wait for SUBSCRIBE_OK; ``payload_sink`` see
+        """SUBSCRIBE and wait for SUBSCRIBE_OK; ``payload_sink`` and ``object_end`` see
         :meth:`TrackReader.set_payload_sink`.
 
         Raises:
@@ -376,6 +380,7 @@ class MOQTConnection(ObjectSender):
             lambda: self.session.subscribe(namespace, name, parameters=params),
             payload_sink,
             self.unsubscribe,
+            object_end,
         )
         return Subscription(request_id, cast(SubscribeOkReceived, reply).message, reader)
 
@@ -388,8 +393,10 @@ class MOQTConnection(ObjectSender):
         *,
         parameters: MessageParameters | None = None,
         payload_sink: PayloadSink | None = None,
+        object_end: ObjectEndSink | None = None,
     ) -> FetchResponse:
-        """Standalone FETCH of ``start`` up to ``end`` (the last Location plus one).
+        """Standalone FETCH of ``start`` up to ``end`` (the last Location plus one);
+        ``payload_sink`` and ``object_end`` see :meth:`TrackReader.set_payload_sink`.
 
         Raises:
             RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
@@ -399,6 +406,7 @@ class MOQTConnection(ObjectSender):
             lambda: self.session.fetch(namespace, name, start, end, parameters=params),
             payload_sink,
             self.fetch_cancel,
+            object_end,
         )
         return FetchResponse(request_id, cast(FetchOkReceived, reply).message, reader)
 
@@ -410,9 +418,11 @@ class MOQTConnection(ObjectSender):
         absolute: bool = False,
         parameters: MessageParameters | None = None,
         payload_sink: PayloadSink | None = None,
+        object_end: ObjectEndSink | None = None,
     ) -> FetchResponse:
         """Joining FETCH (§9.16.2) for our subscription ``subscribe_request_id``: relative
-        (``joining_start`` groups before its Largest) or ``absolute`` (from that group).
+        (``joining_start`` groups before its Largest) or ``absolute`` (from that group);
+        ``payload_sink`` and ``object_end`` see :meth:`TrackReader.set_payload_sink`.
 
         Raises:
             RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
@@ -424,6 +434,8 @@ class MOQTConnection(ObjectSender):
                 subscribe_request_id, joining_start, absolute=absolute, parameters=params
             ),
             payload_sink,
+            None,
+            object_end,
         )
         return FetchResponse(request_id, cast(FetchOkReceived, reply).message, reader)
 

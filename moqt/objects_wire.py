@@ -138,9 +138,10 @@ def _decode_immutable(value: bytes) -> Extensions:
         inner = decode_kvp_block(value)
     except MOQTError as exc:
         raise MalformedTrack(f"IMMUTABLE_EXTENSIONS cannot be parsed: {exc.reason}") from None
-    if any(pair[0] == _IMMUTABLE for pair in inner):
-        # §11.2: an Immutable Extensions header inside another makes the track malformed
-        raise MalformedTrack("IMMUTABLE_EXTENSIONS nested inside IMMUTABLE_EXTENSIONS")
+    for pair in inner:  # a loop, not any(): this runs once per object received
+        if pair[0] == _IMMUTABLE:
+            # §11.2: an Immutable Extensions header inside another makes the track malformed
+            raise MalformedTrack("IMMUTABLE_EXTENSIONS nested inside IMMUTABLE_EXTENSIONS")
     return inner
 
 

@@ -154,19 +154,36 @@ class DataPlane:
             return
         request_id = stream.request_id
         sink = None if request_id is None or stream.held else self._sinks.get(request_id)
-        if sink is None:
+        if sink is None or request_id is None:
             for event in parsed:
                 self._route(stream_id, stream, event, out)
-        else:  # a bound stream with a sink: payload pieces go straight to it
-            on_payload = sink.on_payload
-            for event in parsed:
-                if type(event) is ObjectChunk:
-                    self.payload_octets_received += len(event.data)
-                    on_payload(stream_id, event.data, event.offset)
-                else:
-                    self._route(stream_id, stream, event, out)
+        else:
+            self._to_sink(stream_id, stream, request_id, sink, parsed, out)
         if end_stream and stream.held is None:
             self._in_streams.pop(stream_id, None)
+
+    def _to_sink(
+        self,
+        stream_id: int,
+        stream: _InStream,
+        request_id: int,
+        sink: TrackSink,
+        parsed: list[DataStreamEvent],
+        out: list[MOQTEvent],
+    ) -> None:
+        """A bound stream with a sink: pieces and object bounds go straight to it (what
+        :meth:`_route` and :meth:`_emit` would deliver, without their dispatch)."""
+        on_payload, on_event = sink.on_payload, sink.on_event
+        for event in parsed:
+            if type(event) is ObjectChunk:
+                self.payload_octets_received += len(event.data)
+                on_payload(stream_id, event.data, event.offset)
+            elif type(event) is ObjectStart:
+                on_event(ObjectHeader(stream_id, request_id, stream.track_alias, event))
+            elif type(event) is ParsedObjectEnd:
+                on_event(ObjectEnd(stream_id, request_id, event.group_id, event.object_id))
+            else:
+                self._route(stream_id, stream, event, out)
 
     def _payload_to_sink(self, stream_id: int, stream: _InStream, data: bytes) -> bool:
         """The hot path: a piece wholly inside one object's payload, on a bound stream whose

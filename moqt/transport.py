@@ -53,6 +53,8 @@ from .wire import Bytes, KeyValuePair, as_byte_view
 T = TypeVar("T")
 PayloadSink: TypeAlias = Callable[[ObjectHeader, memoryview, int], None]
 """``sink(header, data, offset)``: a payload piece of the object ``header`` describes."""
+ObjectEndSink: TypeAlias = Callable[[ObjectHeader], None]
+"""``object_end(header)``: the object ``header`` describes is complete."""
 _Piece: TypeAlias = tuple[ObjectHeader, memoryview, int]  # a queued payload piece
 _Item: TypeAlias = MOQTEvent | _Piece
 
@@ -118,6 +120,8 @@ class TrackReader:
         self._streams_ended = 0
         self._current: dict[int, ObjectHeader] = {}  # stream id -> the object arriving on it
         self._sink: PayloadSink | None = None
+        self._bounds = True  # object headers and ends go to the iterators
+        self._on_object_end: ObjectEndSink | None = None
         self._on_end = on_end
 
     # --- fed by the session (TrackSink), synchronously ------------------------------------------
@@ -126,11 +130,23 @@ class TrackReader:
         """A data event of the track (see :class:`~moqt.session_events.TrackSink`)."""
         if self.ended:
             return
+        if type(event) is ObjectHeader:  # the per-object events first: most of what arrives
+            self._current[event.stream_id] = event
+            if self._bounds:
+                self._push(event)
+            return
+        if type(event) is ObjectEnd:
+            if self._bounds:
+                self._push(event)
+            elif self._on_object_end is not None:
+                self._on_object_end(self._current[event.stream_id])
+            return
+        self._on_stream_event(event)
+
+    def _on_stream_event(self, event: MOQTEvent) -> None:
         if isinstance(event, ObjectData):  # from the session's event list, not the sink path
             self.on_payload(event.stream_id, event.data, event.offset)
             return
-        if isinstance(event, ObjectHeader):
-            self._current[event.stream_id] = event
         self._push(event)
         if isinstance(event, DataStreamFinished | DataStreamReset):
             self._current.pop(event.stream_id, None)
@@ -183,20 +199,37 @@ class TrackReader:
 
     # --- read by the application ------------------------------------------------------------------
 
-    def set_payload_sink(self, sink: PayloadSink | None) -> None:
+    def set_payload_sink(
+        self,
+        sink: PayloadSink | None,
+        *,
+        object_end: ObjectEndSink | None = None,
+    ) -> None:
         """Hand payload pieces to ``sink(header, data, offset)`` as they arrive, from the QUIC
         event handler; the iterators then carry object boundaries and stream events only.
 
-        ``data`` is a slice of the received QUIC data (valid while referenced). Pieces queued
-        before the sink was set go to it now, in order.
+        With ``object_end`` the object boundaries stay in the event handler too: each object's
+        end calls ``object_end(header)`` (zero-length objects included), and the iterators
+        carry only the stream events (opened, End of Range, finished, reset), datagrams and
+        the track's end, so a consumer that works in the callbacks is not woken per object.
+
+        ``data`` is a slice of the received QUIC data (valid while referenced). Pieces and
+        object ends queued before the sink was set go to it now, in order.
         """
         self._sink = sink
+        self._bounds = sink is None or object_end is None
+        self._on_object_end = None if sink is None else object_end
         if sink is None or not self._items:
             return
         kept: list[_Item] = []
+        headers: dict[int, ObjectHeader] = {}  # the object each queued end closes
         for item in self._items:
             if isinstance(item, tuple):
                 sink(*item)
+            elif object_end is not None and isinstance(item, ObjectHeader):
+                headers[item.stream_id] = item  # its pieces carry it
+            elif object_end is not None and isinstance(item, ObjectEnd):
+                object_end(headers.get(item.stream_id) or self._current[item.stream_id])
             else:
                 kept.append(item)
         self._items.clear()  # in place: an iterator may hold this deque

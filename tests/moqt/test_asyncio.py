@@ -23,7 +23,13 @@ from moqt.certs import make_self_signed
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import StandaloneFetch
 from moqt.objects import find_layer_digest, layer_digest_extension
-from moqt.session_events import FetchReceived, SubscribeReceived
+from moqt.session_events import (
+    DataStreamFinished,
+    FetchReceived,
+    FetchStreamOpened,
+    ObjectHeader,
+    SubscribeReceived,
+)
 from moqt.wire import Location
 
 NS = (b"kvsp", b"1", b"c0", b"s0", b"k0")
@@ -161,6 +167,35 @@ def test_fetch_a_2_mib_block_byte_exact(backend: str, cert_pair: tuple[Path, Pat
         for obj in objects:
             assert find_layer_digest(obj.extensions) == hashlib.sha256(obj.payload).digest()
         assert b"".join(obj.payload for obj in objects) == BLOCK
+
+    run_client(backend, cert_pair, client)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fetch_into_sinks_wakes_the_reader_only_for_stream_events(
+    backend: str, cert_pair: tuple[Path, Path]
+) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        buffer = bytearray(len(BLOCK))
+        starts = {i: i * LAYER for i in range(32)}
+        ended: list[int] = []
+
+        def sink(header: ObjectHeader, data: memoryview, offset: int) -> None:
+            at = starts[header.object_id] + offset
+            buffer[at : at + len(data)] = data
+
+        def object_end(header: ObjectHeader) -> None:
+            payload = buffer[starts[header.object_id] :][:LAYER]
+            assert find_layer_digest(header.object.extensions) == hashlib.sha256(payload).digest()
+            ended.append(header.object_id)
+
+        response = await connection.fetch(
+            NS, TRACK, Location(0, 0), Location(0, 32), payload_sink=sink, object_end=object_end
+        )
+        kinds = [type(event) async for event in response.track.events()]
+        assert kinds == [FetchStreamOpened, DataStreamFinished]
+        assert ended == list(range(32))
+        assert buffer == BLOCK
 
     run_client(backend, cert_pair, client)
 

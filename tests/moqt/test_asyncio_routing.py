@@ -348,6 +348,52 @@ def test_a_payload_sink_gets_queued_pieces_then_new_ones_in_order() -> None:
     asyncio.run(main())
 
 
+def test_object_end_takes_the_object_bounds_out_of_the_iterators() -> None:
+    async def main() -> None:
+        reader = TrackReader(7)
+        reader.on_event(FetchStreamOpened(3, 7))
+        reader.on_event(header(3, 0, 2))
+        reader.on_payload(3, memoryview(b"ab"), 0)
+        reader.on_event(ObjectEnd(3, 7, 0, 0))  # queued before the sinks are set
+        reader.on_event(header(3, 1, 4))
+        reader.on_payload(3, memoryview(b"cd"), 0)
+        pieces: list[tuple[int, bytes, int]] = []
+        ends: list[tuple[int, int]] = []
+        reader.set_payload_sink(
+            lambda h, data, offset: pieces.append((h.object_id, bytes(data), offset)),
+            object_end=lambda h: ends.append((h.object_id, h.object.payload_length)),
+        )
+        assert pieces == [(0, b"ab", 0), (1, b"cd", 0)] and ends == [(0, 2)]
+        reader.on_payload(3, memoryview(b"ef"), 2)
+        reader.on_event(ObjectEnd(3, 7, 0, 1))
+        reader.on_event(header(3, 2, 0))  # a zero-length object ends too
+        reader.on_event(ObjectEnd(3, 7, 0, 2))
+        reader.on_event(DataStreamFinished(3, 7))
+        reader._fetch_done()
+        assert pieces[-1] == (1, b"ef", 2)
+        assert ends == [(0, 2), (1, 4), (2, 0)]
+        kinds = [type(event) async for event in reader.events()]
+        assert kinds == [FetchStreamOpened, DataStreamFinished]
+
+    asyncio.run(main())
+
+
+def test_without_a_payload_sink_object_end_is_not_used() -> None:
+    async def main() -> None:
+        reader = TrackReader(7)
+        ends: list[ObjectHeader] = []
+        reader.set_payload_sink(None, object_end=ends.append)
+        reader.on_event(header(3, 0, 2))
+        reader.on_payload(3, memoryview(b"ab"), 0)
+        reader.on_event(ObjectEnd(3, 7, 0, 0))
+        reader.on_event(DataStreamFinished(3, 7))
+        reader._fetch_done()
+        objects = [obj async for obj in reader.objects()]
+        assert [bytes(obj.payload) for obj in objects] == [b"ab"] and ends == []
+
+    asyncio.run(main())
+
+
 def test_objects_are_joined_from_pieces_and_the_reader_stops_after_it_ends() -> None:
     async def main() -> None:
         reader = TrackReader(7)

@@ -14,10 +14,13 @@ adjacent K and V sections; ``"inline"`` does that on the event loop. Bodies of u
 (chunked), a caller's sink, and the older ``"thread"`` and ``"split"`` placements go through
 :class:`VerifyingBody` and the :class:`~kvsp.container_reader.ContainerReader`. Measured side
 by side (``bench_blocks.py``, 2 MiB blocks, 4 in flight, 2-core machine shared with other
-jobs, the server on the same cores): ``"paired"`` 0.37-0.46 of the bare-socket HTTP floor
-over six runs (median 0.40), ``"slices"`` 0.28-0.33; the two passes cost 1.6 ms of CPU a block
-paired against 3.0 ms with hashlib. A block that fails any check is never
-handed out: the caller gets an exception, never the octets.
+jobs, the server on the same cores): ``"paired"`` 1.15-1.2 GB/s, 0.39-0.42 of a 2.8-3.0 GB/s
+bare-socket HTTP floor over five runs on a quiet machine (median 0.40, on asyncio's loop and
+on uvloop alike), ``"slices"`` 0.28-0.33; the two passes cost 1.6-1.7 ms of CPU a block paired
+against 3.0 ms with hashlib. That is the ceiling on two cores: the one hashing thread is busy
+for 95 % of the run, and a four-stream kernel (tried, not kept) hashed no faster per stream
+than the two-stream one. A block that fails any check is never handed out: the caller gets
+an exception, never the octets.
 
 :meth:`BlockClient.fetch` walks a block's replicas in order and treats a 404, a broken or slow
 connection, a malformed body or a digest mismatch as "try the next one" (§6.1), returning

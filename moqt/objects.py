@@ -354,13 +354,7 @@ class DataStreamParser:
 
     def _commit(self, unit: _Unit, events: list[DataStreamEvent]) -> None:
         events.append(unit)
-        if type(unit) is ObjectStart:  # the common unit first
-            self._last = self._current = unit
-            self._offset = 0
-            self._payload_left = unit.payload_length
-            if not unit.payload_length:
-                self._end_object(events)
-        elif isinstance(unit, SubgroupHeader | FetchHeader):
+        if isinstance(unit, SubgroupHeader | FetchHeader):
             self._header = unit
         elif isinstance(unit, EndOfRange):
             # the next object may inherit Group and Object ID from the range end

@@ -211,7 +211,8 @@ class TrackReader:
         With ``object_end`` the object boundaries stay in the event handler too: each object's
         end calls ``object_end(header)`` (zero-length objects included), and the iterators
         carry only the stream events (opened, End of Range, finished, reset), datagrams and
-        the track's end, so a consumer that works in the callbacks is not woken per object.
+        the track's end (:meth:`objects` then yields datagram objects only), so a consumer that
+        works in the callbacks is not woken per object.
 
         ``data`` is a slice of the received QUIC data (valid while referenced). Pieces and
         object ends queued before the sink was set go to it now, in order.

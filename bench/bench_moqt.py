@@ -11,9 +11,11 @@ as they arrive, :meth:`~moqt.transport.TrackReader.set_payload_sink` with ``obje
 over raw QUIC (one bidi
 stream per block, the server writing 2 MiB, bytes counted in the protocol's event handler), so
 both see the same load on a shared machine. Both use the same QUIC settings: the given datagram
-size, 64 MiB / 32 MiB flow-control windows and 4 MiB socket buffers. Goodput counts payload bytes
-only. The table gives MOQT/raw, each MOQT figure against aioquic at its default 1200-byte
-datagrams, and the CPU each side spent per block (client and server process, MOQT | raw).
+size, 64 MiB / 32 MiB flow-control windows and 4 MiB socket buffers, and both connections go
+through :meth:`~moqt.backend.Backend.quiet` (qh3 without its logger-less packet logging).
+Goodput counts payload bytes only. The table gives MOQT/raw, each MOQT figure against aioquic
+at its default 1200-byte datagrams, and the CPU each side spent per block (client and server
+process, MOQT | raw).
 For aioquic a first row, ``defaults``, sets nothing (1200-byte datagrams, aioquic's 1 MiB
 windows, the system's socket buffers): what an application that takes aioquic as it comes
 moves, the baseline of the "vs aioquic dflt" column.
@@ -119,6 +121,7 @@ def raw_protocol(backend: str, *, server: bool, buffer: int = 4 << 20) -> type:
 
     def __init__(self: Any, quic: Any, stream_handler: Any = None) -> None:
         base.__init__(self, quic, stream_handler)
+        get_backend(backend).quiet(quic)  # as the MOQT protocol does: the same floor
         waiters: dict[int, tuple[asyncio.Future[int], list[int]]] = {}
         self.waiters = waiters
 

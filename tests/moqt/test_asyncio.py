@@ -128,9 +128,10 @@ def run_client(
     client: Callable[[MOQTConnection], Awaitable[None]],
     *,
     client_backend: str | None = None,
+    handler: Callable[[MOQTConnection], Awaitable[None]] = publisher,
 ) -> None:
-    """Serve :func:`publisher` with ``backend`` and run ``client`` against it (connected with
-    ``client_backend``, the same one by default)."""
+    """Serve ``handler`` (:func:`publisher`) with ``backend`` and run ``client`` against it
+    (connected with ``client_backend``, the same one by default)."""
     client_backend = client_backend or backend
 
     async def main() -> None:
@@ -140,7 +141,7 @@ def run_client(
             is_client=False, certificate=str(cert), private_key=str(key)
         )
         server = await serve(
-            "127.0.0.1", 0, configuration=server_config, handler=publisher, backend=backend
+            "127.0.0.1", 0, configuration=server_config, handler=handler, backend=backend
         )
         try:
             client_config = get_backend(client_backend).configuration(
@@ -198,6 +199,50 @@ def test_fetch_into_sinks_wakes_the_reader_only_for_stream_events(
         assert buffer == BLOCK
 
     run_client(backend, cert_pair, client)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_large_object_on_an_idle_stream_is_sent_at_once(
+    backend: str, cert_pair: tuple[Path, Path]
+) -> None:
+    """The first piece of a large payload written to a new stream is transmitted before the
+    writer goes on (the first packets leave while the rest is queued); a write to a stream
+    that still holds data, or a small one, waits for the end of the loop iteration."""
+    calls = [0]  # transmit calls so far
+    transmits: list[int] = []  # those made while each write ran
+
+    async def handler(connection: MOQTConnection) -> None:
+        original = connection.transmit
+
+        def counted() -> None:
+            calls[0] += 1
+            original()
+
+        connection.transmit = counted  # type: ignore[method-assign]
+        served = [[LAYERS[0], LAYERS[1], b"small"], [b"x" * 100]]  # the second: idle but small
+        async for event in connection.requests():
+            if not isinstance(event, FetchReceived):
+                continue
+            payloads = served.pop(0)
+            last = len(payloads) - 1
+            connection.session.fetch_ok(event.request_id, end_location=Location(0, last))
+            stream_id = await connection.open_fetch_stream(event.request_id)
+            for index, payload in enumerate(payloads):
+                before = calls[0]
+                end = index == last
+                await connection.send_fetch_object(
+                    stream_id, group_id=0, object_id=index, payload=payload, end_stream=end
+                )
+                transmits.append(calls[0] - before)
+
+    async def client(connection: MOQTConnection) -> None:
+        for expected in ([LAYERS[0], LAYERS[1], b"small"], [b"x" * 100]):
+            response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 3))
+            assert [bytes(obj.payload) async for obj in response.track.objects()] == expected
+
+    run_client(backend, cert_pair, client, handler=handler)
+    # the first 64 KiB go out at once; the initial congestion window leaves the stream busy
+    assert transmits == [1, 0, 0, 0]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

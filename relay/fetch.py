@@ -78,18 +78,25 @@ async def proxy_fetch(
     target: StandaloneFetch,
     source: MOQTConnection,
     hooks: TrackHooks,
-) -> None:
-    """Pass a FETCH to ``source`` and relay (and cache) its objects."""
+) -> bool:
+    """Pass a FETCH to ``source`` and relay (and cache) its objects.
+
+    Returns False, having answered nothing, when ``source``'s session closed before it
+    answered (a publisher leaving as the request was routed to it): the caller may route the
+    FETCH to another source. True once the FETCH was answered.
+    """
     key = (target.track_namespace, target.track_name)
     session = connection.session
     try:
         response = await source.fetch(*key, target.start, target.end)
     except RequestRejected as exc:
         _refuse(connection, request_id, exc.error_code, exc.reason)
-        return
-    except (SessionClosedError, LocalProtocolError, ValueError) as exc:
+        return True
+    except SessionClosedError:
+        return False
+    except (LocalProtocolError, ValueError) as exc:
         _refuse(connection, request_id, RequestErrorCode.INTERNAL_ERROR, f"upstream: {exc}")
-        return
+        return True
     ok = response.ok
     hooks.cache.open_track(key, ok.track_extensions)
     if ok.end_of_track:
@@ -115,6 +122,7 @@ async def proxy_fetch(
         if not relay.completed:  # failed, or cancelled (the subscriber left)
             with contextlib.suppress(LocalProtocolError, SessionClosedError):
                 source.fetch_cancel(response.request_id)
+    return True
 
 
 def _refuse(connection: MOQTConnection, request_id: int, code: int, reason: str) -> None:

@@ -14,6 +14,8 @@ from its CLIENT_SETUP token (:mod:`relay.access`) and then its requests are disp
   left; else passed to the publisher or the upstream relay and cached (:mod:`relay.fetch`);
   concurrent misses of one track and range share one upstream fetch.
   A joining FETCH gets the history the cache holds before the joined subscription's Largest.
+* A SUBSCRIBE or FETCH whose source's session closes before answering (a publisher leaving
+  as the request reaches it) goes to the next source, as if the leaver had gone before.
 * No route: REQUEST_ERROR DOES_NOT_EXIST; not allowed: UNAUTHORIZED; tombstoned:
   MALFORMED_TRACK.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,8 +300,17 @@ class Relay(Announcements):
             return None
         return principal
 
-    def _source(self, key: TrackKey, exclude: Peer) -> Peer | None:
-        return self.routes.route(key[0], exclude=exclude)
+    def _source(
+        self, key: TrackKey, exclude: Peer, failed: Collection[Peer | None] = ()
+    ) -> Peer | None:
+        """Where a request of ``exclude`` for ``key`` goes: the announcing session, passing
+        over sessions already closed (their end may not have been handled yet) and those a
+        request ``failed`` on."""
+
+        def usable(peer: Peer) -> bool:
+            return peer not in failed and peer.connection.session.closed is None
+
+        return self.routes.route(key[0], exclude=exclude, usable=usable)
 
     # --- subscriptions ----------------------------------------------------------------------
 
@@ -315,24 +326,37 @@ class Relay(Announcements):
         track = self.tracks.get(key)
         if track is None:
             source = self._source(key, peer)
-            if source is None and (self._upstream is None or peer.upstream):
+            if source is None and not self._may_go_upstream(peer):
                 refuse(peer, event.request_id, RequestErrorCode.DOES_NOT_EXIST, "no route")
                 return
             track = self.tracks[key] = RelayedTrack(key, self.hooks)
             track.attach(peer.connection, message)
-            self._spawn(self._subscribe_upstream(track, source, message))
+            self._spawn(self._subscribe_upstream(track, source, peer, message))
         else:
             track.attach(peer.connection, message)
         peer.subscriptions[event.request_id] = track
 
     async def _subscribe_upstream(
-        self, track: RelayedTrack, source: Peer | None, first: Any
+        self, track: RelayedTrack, source: Peer | None, requester: Peer, first: Any
     ) -> None:
-        connection = await self._source_connection(source)
-        if connection is None:
-            track.fail(RequestErrorCode.DOES_NOT_EXIST, "the upstream relay is unreachable")
-            return
-        await track.subscribe(connection, first)  # its data events, datagrams too, reach pump
+        failed: list[Peer | None] = []  # sources whose session closed before answering
+        while True:
+            connection = await self._source_connection(source)
+            if connection is None:
+                track.fail(RequestErrorCode.DOES_NOT_EXIST, "the upstream relay is unreachable")
+                return
+            if await track.subscribe(connection, first):  # its data events reach pump
+                return
+            failed.append(source)  # it left as the request reached it: another may serve
+            source = self._source(track.key, requester, failed)
+            if source is None and not self._may_go_upstream(requester, failed):
+                track.fail(RequestErrorCode.DOES_NOT_EXIST, "no route: the publisher left")
+                return
+
+    def _may_go_upstream(self, requester: Peer, failed: Collection[Peer | None] = ()) -> bool:
+        """Whether a request of ``requester`` no announcer serves goes to the upstream relay:
+        there is one, the request did not come from it, and it has not failed the request."""
+        return self._upstream is not None and not requester.upstream and None not in failed
 
     async def _source_connection(self, source: Peer | None) -> MOQTConnection | None:
         if source is not None:
@@ -470,18 +494,24 @@ class Relay(Announcements):
     ) -> None:
         key = (target.track_namespace, target.track_name)
         track = self.tracks.get(key)
-        if track is not None and track.published and track.source is not None:
-            connection: MOQTConnection | None = track.source
-        else:
-            source = self._source(key, peer)
-            if source is None and (self._upstream is None or peer.upstream):
+        publisher = track.source if track is not None and track.published else None
+        if publisher is not None and await proxy_fetch(
+            peer.connection, request_id, target, publisher, self.hooks
+        ):
+            return  # the session that PUBLISHed the track answered
+        failed: list[Peer | None] = []  # sources whose session closed before answering
+        while True:
+            source = self._source(key, peer, failed)
+            if source is None and not self._may_go_upstream(peer, failed):
                 refuse(peer, request_id, RequestErrorCode.DOES_NOT_EXIST, "not cached")
                 return
             connection = await self._source_connection(source)
-        if connection is None:
-            refuse(peer, request_id, RequestErrorCode.DOES_NOT_EXIST, "not cached")
-            return
-        await proxy_fetch(peer.connection, request_id, target, connection, self.hooks)
+            if connection is None:
+                refuse(peer, request_id, RequestErrorCode.DOES_NOT_EXIST, "not cached")
+                return
+            if await proxy_fetch(peer.connection, request_id, target, connection, self.hooks):
+                return
+            failed.append(source)  # it left as the request reached it: another may serve
 
     # --- cache upkeep and the holder role ---------------------------------------------------
 

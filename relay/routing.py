@@ -13,7 +13,7 @@ Sources and subscribers are opaque hashable handles chosen by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -59,13 +59,21 @@ class NamespaceRoutes(Generic[S]):
         gone = [ns for ns, sources in list(self._sources.items()) if source in sources]
         return [ns for ns in gone if self.withdraw(ns, source)]
 
-    def route(self, namespace: TrackNamespace, *, exclude: S | None = None) -> S | None:
-        """The source of the longest announced prefix of ``namespace`` (latest first)."""
+    def route(
+        self,
+        namespace: TrackNamespace,
+        *,
+        exclude: S | None = None,
+        usable: Callable[[S], bool] | None = None,
+    ) -> S | None:
+        """The source of the longest announced prefix of ``namespace`` (latest first), passing
+        over ``exclude`` and any source ``usable`` rejects (one that is leaving, or that a
+        request already failed on)."""
         for length in range(len(namespace), 0, -1):
             sources = self._sources.get(namespace[:length])
             if sources:
                 for source in reversed(sources):
-                    if source != exclude:
+                    if source != exclude and (usable is None or usable(source)):
                         return source
         return None
 

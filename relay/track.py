@@ -179,8 +179,13 @@ class RelayedTrack:
 
     # --- upstream --------------------------------------------------------------------------------
 
-    async def subscribe(self, source: MOQTConnection, first: Subscribe) -> None:
-        """SUBSCRIBE upstream on ``source`` for the waiting subscribers, then relay objects."""
+    async def subscribe(self, source: MOQTConnection, first: Subscribe) -> bool:
+        """SUBSCRIBE upstream on ``source`` for the waiting subscribers, then relay objects.
+
+        Returns False, with the track still pending, when ``source``'s session closed before
+        it answered (a publisher leaving as the request was routed to it): the caller may
+        route the track to another source. True once the track was served or failed.
+        """
         self.source = source
         namespace, name = self.key
         params = MessageParameters(
@@ -190,13 +195,17 @@ class RelayedTrack:
             subscription = await source.subscribe(namespace, name, parameters=params)
         except RequestRejected as exc:
             self.fail(exc.error_code, exc.reason)
-            return
-        except (SessionClosedError, LocalProtocolError, ValueError) as exc:
+            return True
+        except SessionClosedError:
+            self.source = None
+            return False
+        except (LocalProtocolError, ValueError) as exc:
             self.fail(RequestErrorCode.INTERNAL_ERROR, f"upstream unavailable: {exc}")
-            return
+            return True
         self.request_id = subscription.request_id
         self._established(subscription.ok.track_extensions)
         await self.pump(subscription.track)
+        return True
 
     def adopt(
         self, source: MOQTConnection, request_id: int, extensions: tuple[KeyValuePair, ...]

@@ -164,6 +164,8 @@ def test_routes_match_the_longest_prefix_field_by_field() -> None:
     assert routes.route((b"foo", b"barn")) == "short"
     assert routes.route((b"foob",)) is None
     assert routes.route((b"foo", b"bar"), exclude="long") == "short"
+    assert routes.route((b"foo", b"bar"), usable=lambda source: source != "long") == "short"
+    assert routes.route((b"foo", b"bar"), usable=lambda source: False) is None
     assert not routes.announce((b"foo",), "again")
     assert routes.route((b"foo", b"x")) == "again"  # the latest among equals
     assert not routes.withdraw((b"foo",), "again")

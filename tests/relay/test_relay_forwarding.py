@@ -20,18 +20,20 @@ from relay_testkit import (
     until,
 )
 
-from moqt.asyncio import RequestRejected, TrackReader
+from moqt.asyncio import MOQTConnection, RequestRejected, TrackReader
 from moqt.certs import make_self_signed
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import SubscribeOptions
 from moqt.objects import find_layer_digest
 from moqt.session_events import (
     DataStreamFinished,
+    FetchReceived,
     NamespaceDoneReceived,
     NamespaceReceived,
     ObjectData,
     PublishDoneReceived,
     PublishReceived,
+    SubscribeReceived,
 )
 from moqt.wire import Location
 
@@ -234,6 +236,67 @@ def test_a_vanished_publisher_ends_its_subscriptions(certs: Certs) -> None:
             events = [e async for e in subscription.track.events()]
             done = [e for e in events if isinstance(e, PublishDoneReceived)]
             assert done[0].message.status_code == PublishDoneCode.GOING_AWAY
+
+    run(scenario())
+
+
+async def _leave_when_asked(connection: MOQTConnection) -> None:
+    """A publisher whose session closes when a request reaches it, unanswered."""
+    async for event in connection.requests():
+        if isinstance(event, SubscribeReceived | FetchReceived):
+            connection.close()
+            return
+
+
+@pytest.mark.parametrize("request_kind", ["subscribe", "fetch"])
+def test_a_request_reaching_a_leaving_publisher_goes_to_another(
+    request_kind: str, certs: Certs
+) -> None:
+    """Two sessions announce the namespace; the latest (the route) closes as the request
+    reaches it. The relay routes the request to the other, as if the leaver had gone before
+    (a REQUEST_ERROR INTERNAL_ERROR here was a race whenever a publisher left)."""
+    block = make_block(13)
+    count = len(block.layers)
+
+    async def scenario() -> None:
+        async with (
+            running_relay(relay_config(certs)) as relay,
+            publishing(relay.url, certs, block_track(block), [block.namespace[:4]]) as pub,
+            client(relay.url, certs) as leaver,
+            client(relay.url, certs) as sub,
+        ):
+            pub.release.set()
+            await leaver.publish_namespace(block.namespace)  # the longer prefix: the route
+            leaving = asyncio.create_task(_leave_when_asked(leaver))
+            if request_kind == "subscribe":
+                subscription = await sub.subscribe(*block.track)
+                objects = [obj async for obj in subscription.track.objects()]
+                assert pub.subscribes == 1
+            else:
+                objects = await fetch_all(sub, block.track, count)
+                assert pub.fetches == 1
+            await leaving
+            assert leaver.session.closed is not None
+        assert [bytes(obj.payload) for obj in objects] == list(block.layers)
+
+    run(scenario())
+
+
+def test_a_request_whose_only_publisher_leaves_does_not_exist(certs: Certs) -> None:
+    block = make_block(14)
+
+    async def scenario() -> None:
+        async with (
+            running_relay(relay_config(certs)) as relay,
+            client(relay.url, certs) as leaver,
+            client(relay.url, certs) as sub,
+        ):
+            await leaver.publish_namespace(block.namespace)
+            leaving = asyncio.create_task(_leave_when_asked(leaver))
+            with pytest.raises(RequestRejected) as info:
+                await sub.subscribe(*block.track)
+            assert info.value.error_code == RequestErrorCode.DOES_NOT_EXIST
+            await leaving
 
     run(scenario())
 

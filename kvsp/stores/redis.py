@@ -479,27 +479,37 @@ class SharedDescriptors(DescriptorRegistry):
             raise
         return learnt
 
-    async def _sync_forever(self) -> None:
-        while True:
+    async def _sync_forever(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
             self._wake.clear()
             try:
                 await self.sync()
             except StoreUnavailable:
                 _log.exception("sharing descriptors through Redis failed")
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that lands as
-            # its timeout fires, and then syncing() waits for this loop forever
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.interval_s):
-                    await self._wake.wait()
+            if stop.is_set():
+                return
+            # The interval sets the event rather than timing the wait out: on 3.11 both
+            # wait_for and asyncio.timeout can lose a cancel that lands as their own timeout
+            # fires (and a cancel landing inside a Redis call may be lost as well), so the
+            # loop also ends on ``stop``, not on the cancel alone
+            timer = loop.call_later(self.interval_s, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
 
     @contextlib.asynccontextmanager
     async def syncing(self) -> AsyncIterator[None]:
         """Keep syncing with Redis in the background while the app serves."""
         self._wake = asyncio.Event()  # bound to the serving loop
-        task = asyncio.create_task(self._sync_forever(), name="kvsp-descriptor-sync")
+        stop = asyncio.Event()
+        task = asyncio.create_task(self._sync_forever(stop), name="kvsp-descriptor-sync")
         try:
             yield
         finally:
+            stop.set()
+            self._wake.set()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -7,6 +7,7 @@ descriptors shared through Redis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import socket
@@ -401,6 +402,44 @@ def test_descriptor_sync_keeps_running_in_the_background(
         return False
 
     assert runner.run(scenario())
+
+
+class _CancelLosingStore:
+    """A store whose calls lose a cancel that lands in them (as a Redis client may)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def put_descriptor(self, descriptor: CompatibilityDescriptor) -> bool:
+        return True
+
+    async def descriptors(self) -> list[CompatibilityDescriptor]:
+        self.calls += 1
+        with contextlib.suppress(asyncio.CancelledError):  # lost
+            await asyncio.sleep(0.02)
+        return []
+
+
+def test_descriptor_sync_stops_even_when_a_cancel_is_lost() -> None:
+    """Leaving ``syncing()`` ends the background loop even when its cancel is swallowed inside
+    a store call (before, the loop went on and ``syncing()`` waited for it forever)."""
+    store = _CancelLosingStore()
+    shared = SharedDescriptors(None, store, interval_s=0.001)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        async with shared.syncing():
+            while store.calls < 3:
+                await asyncio.sleep(0.005)
+
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(scenario())
+        # waited on, not cancelled: a cancel of the scenario would be lost the same way
+        loop.run_until_complete(asyncio.wait({task}, timeout=5))
+        assert task.done(), "syncing() still waits for its background loop"
+        task.result()
+    finally:
+        loop.close()
 
 
 def test_the_record_cache_is_bounded_and_keyed_by_block_as_well_as_octets() -> None:

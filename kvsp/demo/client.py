@@ -10,6 +10,7 @@ it, and a callback may act mid-stream (the failover step kills the instance ther
 
 from __future__ import annotations
 
+import bisect
 import json
 import threading
 import time
@@ -316,6 +317,10 @@ def wait_for(check: Callable[[], T | None], timeout_s: float, what: str) -> T:
         time.sleep(0.05)
 
 
+def _at(transition: Transition) -> float:
+    return transition.at_s
+
+
 class StateWatcher:
     """Polls ``GET instances`` on its own thread and keeps every change of state."""
 
@@ -339,18 +344,39 @@ class StateWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                rows = self.client.instances()
-            except (httpx.HTTPError, DemoHTTPError):
-                rows = []
-            now = time.monotonic() - self.began
-            with self._lock:
-                for row in rows:
-                    now_state = (row["state"], row["reported_state"])
-                    if self._seen.get(row["instance"]) != now_state:
-                        self._seen[row["instance"]] = now_state
-                        self.transitions.append(Transition(now, row["instance"], *now_state))
+            self.poll()
             self._stop.wait(self.period_s)
+
+    def poll(self) -> None:
+        """One ``GET instances``: record each instance whose state changed (what the watch
+        thread does every ``period_s``)."""
+        try:
+            rows = self.client.instances()
+        except (httpx.HTTPError, DemoHTTPError):
+            rows = []
+        now = time.monotonic() - self.began
+        with self._lock:
+            for row in rows:
+                now_state = (row["state"], row["reported_state"])
+                if self._seen.get(row["instance"]) != now_state:
+                    self._seen[row["instance"]] = now_state
+                    self.transitions.append(Transition(now, row["instance"], *now_state))
+
+    def note(self, instance: str, state: str, at_s: float) -> None:
+        """Record that the PC put ``instance`` in ``state`` (its answer to ``PUT state``, asked
+        at ``at_s``, :meth:`now`) unless a poll has seen that state since: a state the
+        instance leaves at once (draining with nothing left in flight goes on to sleeping)
+        can fall between two polls."""
+        with self._lock:
+            mine = [t for t in self.transitions if t.instance == instance and t.at_s >= at_s]
+            if any(t.state == state for t in mine):
+                return
+            before = [t for t in self.transitions if t.instance == instance and t.at_s < at_s]
+            reported = before[-1].reported if before else ""
+            noted = Transition(at_s, instance, state, reported)
+            self.transitions.insert(bisect.bisect_right(self.transitions, at_s, key=_at), noted)
+            if not mine:  # the newest state known: the poll must not record it again
+                self._seen[instance] = (state, reported)
 
     def history(self, instance: str) -> list[Transition]:
         """The changes seen for one instance, in order."""

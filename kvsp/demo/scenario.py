@@ -271,10 +271,12 @@ class Scenario:
             self.client, target, self.next_prompt(), self.options.drain_tokens
         )
         with session:
-            wait_for(lambda: _busy(self.client.row(target)), 30, f"a session at {name}")
+            wait_for(session.streaming, 30, f"a session at {name}")
+            asked = watcher.now()
             answer = self.client.set_state(target, "draining")
             self.console.line(f"PUT state draining at the PC -> {answer['state']}")
-            watcher.wait_state(target, "draining", 10)
+            watcher.note(target, answer["state"], asked)
+            watcher.wait_state(target, "draining", 10, after=asked)
             moved = self.ask("R4: system prompt A")
             self.placement_table([moved])
             self.file_ttft(moved)
@@ -295,6 +297,7 @@ class Scenario:
         self.console.line(f"{name} had no session left and went to sleep")
         woken = watcher.now()
         answer = self.client.set_state(target, "active")
+        watcher.note(target, answer["state"], woken)
         watcher.wait_state(target, "active", 10, after=woken)
         self.console.line(f"PUT state active at the PC -> {answer['state']}: {name} is woken")
         history = watcher.history(target)
@@ -329,6 +332,20 @@ class BackgroundGeneration:
         if exc_type is None:  # on an error or Ctrl-C the cluster's stop ends the stream
             self._thread.join()
 
+    def streaming(self) -> bool | None:
+        """True once the instance has sent a line of the answer (the session is admitted and
+        running there), None before that.
+
+        Raises:
+            RuntimeError: the generation ended without a line (refused, broken) or failed.
+        """
+        if self.seen:
+            return True
+        if self.wait(0):
+            self.result()  # raises with why when it failed
+            raise RuntimeError("the background generation ended before its first line")
+        return None
+
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s``; whether the generation has ended."""
         self._thread.join(timeout_s)
@@ -347,9 +364,3 @@ class BackgroundGeneration:
         if done.status != 200 or done.broken or done.problem:
             raise RuntimeError(f"the background generation failed: {done.problem or done.broken}")
         return done
-
-
-def _busy(row: dict[str, Any] | None) -> bool | None:
-    if row is None:
-        return None
-    return True if int(row["running"]) + int(row["queued"]) >= 1 else None

@@ -11,15 +11,19 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvsp.cli import main
+from kvsp.demo.client import DemoClient, Generation, StateWatcher
 from kvsp.demo.console import Console, render_table
 from kvsp.demo.failover import Stream
 from kvsp.demo.procs import ClusterError, ProcessGroup
+from kvsp.demo.scenario import BackgroundGeneration
 from kvsp.demo.summary import Figures, print_report
 from kvsp.records import ReplicaRecord
 from kvsp.services.auth import Principals, principal_entry
@@ -160,6 +164,109 @@ def test_the_stream_delivers_each_index_once_and_drops_lower_epochs() -> None:
     assert (stream.duplicates, stream.mismatched, stream.epochs) == (2, 0, [1, 2])
     stream.offer({"index": 0, "epoch": 2, "token": 4})  # a repeat that differs is counted
     assert stream.mismatched == 1
+
+
+# --- what the scenario waits on -----------------------------------------------------------------
+
+
+class ScriptedPC:
+    """Stands in for :class:`DemoClient` where the scenario only polls or generates."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.answer = Generation(status=200)
+        self.lines = 0
+        self.release = threading.Event()
+
+    def instances(self) -> list[dict[str, Any]]:
+        return list(self.rows)
+
+    def state(self, state: str, reported: str) -> None:
+        self.rows = [{"instance": "http://a/", "state": state, "reported_state": reported}]
+
+    def generate(self, instance: str, prompt: Any, max_tokens: int, on_line: Any) -> Generation:
+        for index in range(self.lines):
+            on_line({"index": index, "token": 1})
+        self.release.wait(10)
+        return self.answer
+
+
+def watcher_of(pc: ScriptedPC) -> StateWatcher:
+    client: Any = pc  # the watcher calls instances() only
+    return StateWatcher(client)
+
+
+def test_the_watcher_keeps_a_state_the_pc_answered_that_no_poll_saw() -> None:
+    # a drained instance with nothing in flight goes on to sleeping at once: the PC's row can
+    # be draining for less than a poll period, as on a loaded machine
+    pc = ScriptedPC()
+    watcher = watcher_of(pc)
+    pc.state("active", "active")
+    watcher.poll()
+    asked = watcher.now()
+    pc.state("sleeping", "sleeping")
+    watcher.note("http://a/", "draining", asked)  # PUT state answered draining
+    watcher.poll()
+    assert [t.state for t in watcher.history("http://a/")] == ["active", "draining", "sleeping"]
+    assert watcher.wait_state("http://a/", "draining", 0.1, after=asked).at_s == asked
+    # a state a poll saw after the question is not recorded twice
+    woken = watcher.now()
+    pc.state("active", "active")
+    watcher.poll()
+    watcher.note("http://a/", "active", woken)
+    watcher.poll()
+    states = [t.state for t in watcher.history("http://a/")]
+    assert states == ["active", "draining", "sleeping", "active"]
+    times = [t.at_s for t in watcher.transitions]
+    assert times == sorted(times)
+
+
+def test_the_watcher_notes_a_state_no_poll_has_reached_yet_once() -> None:
+    pc = ScriptedPC()
+    watcher = watcher_of(pc)
+    pc.state("active", "active")
+    watcher.poll()
+    asked = watcher.now()
+    watcher.note("http://a/", "draining", asked)
+    pc.state("draining", "active")  # the PC's row, before the instance reported it
+    watcher.poll()
+    assert [t.state for t in watcher.history("http://a/")] == ["active", "draining"]
+
+
+def background(pc: ScriptedPC) -> BackgroundGeneration:
+    client: Any = pc  # the background session calls generate() only
+    demo: DemoClient = client
+    return BackgroundGeneration(demo, "http://a/", [1, 2, 3], 8)
+
+
+def test_a_session_in_flight_is_known_by_its_first_line_not_by_the_pcs_view() -> None:
+    pc = ScriptedPC()
+    pc.lines = 1
+    with background(pc) as session:
+        deadline = time.monotonic() + 10
+        while session.streaming() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert session.streaming() is True
+        pc.release.set()
+    assert session.result().status == 200
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (Generation(status=503, problem="kvsp-not-active"), "kvsp-not-active"),
+        (Generation(status=200, broken="RemoteProtocolError"), "RemoteProtocolError"),
+        (Generation(status=200), "ended before its first line"),
+    ],
+)
+def test_a_session_that_ends_before_a_line_says_why_at_once(answer: Generation, why: str) -> None:
+    pc = ScriptedPC()
+    pc.answer = answer
+    pc.release.set()
+    with pytest.raises(RuntimeError, match=why), background(pc) as session:
+        deadline = time.monotonic() + 10
+        while session.streaming() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 # --- console and report -------------------------------------------------------------------------

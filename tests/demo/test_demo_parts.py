@@ -191,19 +191,20 @@ class ScriptedPC:
         return self.answer
 
 
-def watcher_of(pc: ScriptedPC) -> StateWatcher:
+def watching_an_active_instance() -> tuple[ScriptedPC, StateWatcher, float]:
+    """A watcher that has seen instance ``http://a/`` active, and the time after that."""
+    pc = ScriptedPC()
     client: Any = pc  # the watcher calls instances() only
-    return StateWatcher(client)
+    watcher = StateWatcher(client)
+    pc.state("active", "active")
+    watcher.poll()
+    return pc, watcher, watcher.now()
 
 
 def test_the_watcher_keeps_a_state_the_pc_answered_that_no_poll_saw() -> None:
     # a drained instance with nothing in flight goes on to sleeping at once: the PC's row can
     # be draining for less than a poll period, as on a loaded machine
-    pc = ScriptedPC()
-    watcher = watcher_of(pc)
-    pc.state("active", "active")
-    watcher.poll()
-    asked = watcher.now()
+    pc, watcher, asked = watching_an_active_instance()
     pc.state("sleeping", "sleeping")
     watcher.note("http://a/", "draining", asked)  # PUT state answered draining
     watcher.poll()
@@ -222,11 +223,7 @@ def test_the_watcher_keeps_a_state_the_pc_answered_that_no_poll_saw() -> None:
 
 
 def test_the_watcher_notes_a_state_no_poll_has_reached_yet_once() -> None:
-    pc = ScriptedPC()
-    watcher = watcher_of(pc)
-    pc.state("active", "active")
-    watcher.poll()
-    asked = watcher.now()
+    pc, watcher, asked = watching_an_active_instance()
     watcher.note("http://a/", "draining", asked)
     pc.state("draining", "active")  # the PC's row, before the instance reported it
     watcher.poll()
@@ -239,14 +236,19 @@ def background(pc: ScriptedPC) -> BackgroundGeneration:
     return BackgroundGeneration(demo, "http://a/", [1, 2, 3], 8)
 
 
+def until_streaming(session: BackgroundGeneration) -> bool | None:
+    """What :meth:`BackgroundGeneration.streaming` says once it says something (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while (streaming := session.streaming()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return streaming
+
+
 def test_a_session_in_flight_is_known_by_its_first_line_not_by_the_pcs_view() -> None:
     pc = ScriptedPC()
     pc.lines = 1
     with background(pc) as session:
-        deadline = time.monotonic() + 10
-        while session.streaming() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert session.streaming() is True
+        assert until_streaming(session) is True
         pc.release.set()
     assert session.result().status == 200
 
@@ -264,9 +266,7 @@ def test_a_session_that_ends_before_a_line_says_why_at_once(answer: Generation, 
     pc.answer = answer
     pc.release.set()
     with pytest.raises(RuntimeError, match=why), background(pc) as session:
-        deadline = time.monotonic() + 10
-        while session.streaming() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until_streaming(session)
 
 
 # --- console and report -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The parts of ``kvsp demo`` / ``up`` / ``status`` that need no cluster: the process group
-(stop, the whole group, death with the parent), the front end's stream rules, the console,
-``GET replicas`` at the IS, and the command line's errors."""
+(stop, the whole group, death with the parent), the front end's stream rules, what the
+scenario waits on (the state watcher, the session in flight), the console, ``GET replicas``
+at the IS, and the command line's errors."""
 
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ from kvsp.services.testing import RunningService, start_process
 T = TypeVar("T")
 SCOPE_A = ScopeId(b"\x0a" * 16)
 SCOPE_B = ScopeId(b"\x0b" * 16)
+SCOPE_EMPTY = ScopeId(b"\x0e" * 16)  # no test stores here: a lookup in it is a plain miss
 H1 = "https://h1.example/kvsp/"
 II7 = "https://ii7.example/kvsp/"
 DESCRIPTOR = CompatibilityDescriptor(
@@ -58,7 +59,7 @@ PRINCIPALS = {
     # name: (roles, scopes, holders)
     "h1": (["holder"], [SCOPE_A, SCOPE_B], [H1]),
     "ca": (["client"], [SCOPE_A], []),
-    "cb": (["client"], [SCOPE_B], []),
+    "cb": (["client"], [SCOPE_B, SCOPE_EMPTY], []),
     "i7": (["instance"], [], [II7]),
 }
 
@@ -212,7 +213,7 @@ def test_scope_isolation_answers_exactly_like_a_miss(server: RunningService) -> 
             await h1.publish(record(10, scope=SCOPE_A))
             await h1.publish(record(10, scope=SCOPE_A, compat=DRIFTED))
         body = request(10, 11, compact=False).to_json()
-        empty = {**body, "scope_id": SCOPE_B.hex()}
+        empty = {**body, "scope_id": SCOPE_EMPTY.hex()}
         headers = {"authorization": f"Bearer {token('cb')}"}
         async with httpx.AsyncClient(base_url=server.base_url, headers=headers) as raw:
             denied = await raw.post("lookup", json=body)

@@ -10,8 +10,9 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -39,8 +40,13 @@ class Cluster:
     holder: RunningService
     instance: RunningService
     http: httpx.Client
+    folder: Path
 
-    def lookup(self, keys: list[bytes], targets: list[str] | None = None) -> dict[str, Any]:
+    def start_instance(self, name: str) -> RunningService:
+        """Another ``kvsp serve instance`` on this control plane (the caller stops it)."""
+        return serve(self.folder, "instance", *instance_argv(self.folder, self.control), work=name)
+
+    def lookup(self, keys: Sequence[bytes], targets: list[str] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "scope_id": SCOPE.hex(),
             "compat_id": COMPAT.hex(),
@@ -80,56 +86,49 @@ def reference(prompt: list[int], count: int) -> tuple[list[int], list[bytes]]:
     return asyncio.run(compute())
 
 
+def serve(folder: Path, name: str, *argv: str, work: str | None = None) -> RunningService:
+    """``kvsp serve NAME`` on 127.0.0.1 with the principals in ``folder``, its state under
+    ``folder/WORK`` (default: ``NAME``)."""
+    workdir = folder / (work or name)
+    workdir.mkdir()
+    common = ["--listen", "127.0.0.1:0", "--principals", str(folder / "principals.toml")]
+    return start_process(
+        [sys.executable, "-m", "kvsp", "serve", name, *common, "--state", str(workdir / "state"),
+         *argv],
+        workdir=workdir,
+    )  # fmt: skip
+
+
+def instance_argv(folder: Path, control: RunningService) -> list[str]:
+    """The options of an instance of the toy descriptor, in the scope, on ``control``."""
+    return [
+        "--control", control.base_url, "--token-file", str(folder / "token"),
+        "--descriptor", str(folder / "descriptor.json"),
+        "--scope-key-file", str(folder / "scope.key"), "--status-ttl-ms", "1500",
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     folder = tmp_path_factory.mktemp("cluster")
-    principals = folder / "principals.toml"
-    write_principals(principals, [principal_entry("admin", TOKEN, ["admin"], None)])
+    write_principals(folder / "principals.toml", [principal_entry("admin", TOKEN, ["admin"], None)])
     token = folder / "token"
     token.write_text(TOKEN + "\n")
     descriptor = folder / "descriptor.json"
     descriptor.write_text(json.dumps(DESCRIPTOR.to_json()))
-    scope_key = folder / "scope.key"
-    scope_key.write_text(SCOPE_KEY.hex())
-    kvsp = [sys.executable, "-m", "kvsp", "serve"]
+    (folder / "scope.key").write_text(SCOPE_KEY.hex())
     started: list[RunningService] = []
-
-    def start(name: str, *argv: str) -> RunningService:
-        work = folder / name
-        work.mkdir()
-        common = ["--listen", "127.0.0.1:0", "--principals", str(principals)]
-        service = start_process(
-            [*kvsp, name, *common, "--state", str(work / "state"), *argv], workdir=work
-        )
-        started.append(service)
-        return service
-
     try:
-        control = start("control", "--directive-token-file", str(token))
-        holder = start(
-            "holder",
-            "--index",
-            control.base_url,
-            "--index-token-file",
-            str(token),
-            "--descriptor",
-            str(descriptor),
-        )
-        instance = start(
-            "instance",
-            "--control",
-            control.base_url,
-            "--token-file",
-            str(token),
-            "--descriptor",
-            str(descriptor),
-            "--scope-key-file",
-            str(scope_key),
-            "--status-ttl-ms",
-            "1500",
-        )
+        control = serve(folder, "control", "--directive-token-file", str(token))
+        started.append(control)
+        holder_argv = [
+            "--index", control.base_url, "--index-token-file", str(token),
+            "--descriptor", str(descriptor),
+        ]  # fmt: skip
+        started.append(holder := serve(folder, "holder", *holder_argv))
+        started.append(instance := serve(folder, "instance", *instance_argv(folder, control)))
         with httpx.Client(timeout=30) as http:
-            yield Cluster(control, holder, instance, http)
+            yield Cluster(control, holder, instance, http, folder)
     finally:
         for service in reversed(started):
             service.stop()
@@ -248,8 +247,14 @@ def test_a_drain_from_the_pc_ends_in_sleeping_and_a_wake_up(cluster: Cluster) ->
 
 
 def test_stop_withdraws_the_instances_records(cluster: Cluster) -> None:
-    prompt = list(range(300, 313))
-    keys = block_keys(SCOPE_KEY, COMPAT, prompt, 4)
-    assert cluster.lookup(keys)["matched"] == 3
-    assert cluster.instance.stop() == 0
-    assert cluster.lookup(keys)["matched"] == 0
+    # an instance of its own: stopping the module's one would leave the other tests none
+    with cluster.start_instance("instance-stopped") as instance:
+        prompt = list(range(900, 913))  # blocks no other test makes
+        answer = cluster.http.post(
+            f"{instance.base_url}generate", json={"prompt": prompt, "max_tokens": 1}, headers=AUTH
+        )
+        assert answer.status_code == 200, answer.text
+        keys = block_keys(SCOPE_KEY, COMPAT, prompt, 4)
+        eventually(lambda: cluster.lookup(keys)["matched"] == 3 or None)
+        assert instance.stop() == 0
+        assert cluster.lookup(keys)["matched"] == 0

@@ -1,7 +1,8 @@
-"""The one native part of KVSP: :mod:`kvsp._sha256x2`, the two §6.7 SHA-256 passes interleaved
-on the x86 SHA extensions. It is optional: where it cannot be built (no C compiler, not x86),
-the install goes on and :mod:`kvsp.sha256x2` reports it missing, so clients hash with hashlib.
-Everything else is in pyproject.toml."""
+"""The two native parts of KVSP: :mod:`kvsp._sha256x2`, the two §6.7 SHA-256 passes interleaved
+on the x86 SHA extensions, and :mod:`moqt._objscan`, MOQT object headers read in C. Both are
+optional: where one cannot be built (no C compiler; for the first, not x86), the install goes
+on and the Python path does the work (:mod:`kvsp.sha256x2` says so for hashing,
+``moqt.objects.NATIVE_HEADERS`` for headers). Everything else is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -11,6 +12,11 @@ setup(
             "kvsp._sha256x2",
             ["kvsp/_sha256x2.c"],
             optional=True,  # a failed build leaves the hashlib path, not a failed install
-        )
+        ),
+        Extension(
+            "moqt._objscan",
+            ["moqt/_objscan.c"],
+            optional=True,  # a failed build leaves the Python reader of object headers
+        ),
     ]
 )

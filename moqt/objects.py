@@ -17,6 +17,7 @@ re-exported here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TypeAlias
 
 from .errors import NeedMoreData, ObjectStatus, ProtocolViolation
@@ -54,6 +55,16 @@ from .objects_wire import (
     read_extensions,
 )
 from .wire import Bytes, Reader, as_byte_view
+
+_native: ModuleType | None
+try:
+    from . import _objscan as _native
+except ImportError:  # built optionally (setup.py): absent where it could not be compiled
+    _native = None
+
+NATIVE_HEADERS: bool = _native is not None
+"""Whether object headers are read by the native module ``moqt._objscan`` (the same results as
+the Python reader, which takes every header it declines: errors, edge cases, split headers)."""
 
 __all__ = [
     "KVSP_LAYER_DIGEST",
@@ -266,6 +277,11 @@ class DataStreamParser:
 
     def _attempt(self, view: memoryview, start: int) -> tuple[_Unit, int] | None:
         """The unit at ``view[start:]`` and the position after it, or None when short."""
+        header = self._header
+        if header is not None and _native is not None:
+            native = self._native_object(_native, header, view, start)
+            if native is not None:
+                return native
         reader = Reader.at(view, start)
         try:
             unit = self._read_unit(reader)
@@ -281,6 +297,33 @@ class DataStreamParser:
             return self._read_subgroup_object(header, reader)
         return self._read_fetch_object(reader)
 
+    def _native_object(
+        self, native: ModuleType, header: StreamHeader, view: memoryview, start: int
+    ) -> tuple[ObjectStart, int] | None:
+        """The object header at ``view[start:]`` read by ``moqt._objscan``, or None where it
+        leaves the header to the Python reader (see ``moqt/_objscan.c``)."""
+        last = self._last
+        if type(header) is FetchHeader:
+            got = native.fetch_object(view, start, last)
+            if got is None:
+                return None
+            end, group, subgroup, object_id, priority, extensions, length = got
+            unit = ObjectStart(
+                group_id=group,
+                subgroup_id=subgroup,
+                object_id=object_id,
+                publisher_priority=priority,
+                extensions=extensions,
+                payload_length=length,
+            )
+            return unit, end
+        assert isinstance(header, SubgroupHeader)
+        got = native.subgroup_object(view, start, header.has_extensions, last)
+        if got is None:
+            return None
+        end, object_id, extensions, length = got
+        return _subgroup_object(header, last, object_id, extensions, length), end
+
     def _read_subgroup_object(self, header: SubgroupHeader, reader: Reader) -> ObjectStart:
         """Subgroup object fields (§10.4.2, Figure 29)."""
         delta = reader.read_varint()
@@ -294,18 +337,7 @@ class DataStreamParser:
             if status != ObjectStatus.NORMAL and extensions:
                 # §10.2.1.2: extensions on a non-Normal object MUST be a PROTOCOL_VIOLATION
                 raise ProtocolViolation("extension headers on a status object")
-        subgroup = header.subgroup_id
-        if subgroup is None:  # FIRST_OBJECT mode: the first object's id names the subgroup
-            subgroup = object_id if last is None else last.subgroup_id
-        return ObjectStart(
-            group_id=header.group_id,
-            subgroup_id=subgroup,
-            object_id=object_id,
-            publisher_priority=header.publisher_priority,
-            extensions=extensions,
-            payload_length=length,
-            status=status,
-        )
+        return _subgroup_object(header, last, object_id, extensions, length, status)
 
     def _read_fetch_object(self, reader: Reader) -> ObjectStart | EndOfRange:
         """Fetch object fields after the Serialization Flags (§10.4.4, Figure 31)."""
@@ -383,6 +415,29 @@ class DataStreamParser:
             # §10.4: a FIN inside a serialized Object SHOULD be a PROTOCOL_VIOLATION
             raise ProtocolViolation("stream ended inside an object")
         events.append(StreamFinished())
+
+
+def _subgroup_object(
+    header: SubgroupHeader,
+    last: _Last | None,
+    object_id: int,
+    extensions: Extensions,
+    length: int,
+    status: ObjectStatus = ObjectStatus.NORMAL,
+) -> ObjectStart:
+    """A subgroup stream's object: its own fields, and those its stream header gives."""
+    subgroup = header.subgroup_id
+    if subgroup is None:  # FIRST_OBJECT mode: the first object's id names the subgroup
+        subgroup = object_id if last is None else last.subgroup_id
+    return ObjectStart(
+        group_id=header.group_id,
+        subgroup_id=subgroup,
+        object_id=object_id,
+        publisher_priority=header.publisher_priority,
+        extensions=extensions,
+        payload_length=length,
+        status=status,
+    )
 
 
 def _prior(prior: _Last | None) -> _Last:

@@ -1,17 +1,22 @@
-"""moqt.objects: subgroup and fetch streams, datagrams, the KVSP digest extension (d16 §10, §11)."""
+"""moqt.objects: subgroup and fetch streams, datagrams, the KVSP digest extension (d16 §10, §11).
+
+Every test runs twice: with object headers read by the native ``moqt._objscan`` (where it was
+built) and with the Python reader alone (:func:`object_reader`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import moqt.objects
 from moqt.errors import (
     KeyValueFormattingError,
     MalformedTrack,
@@ -48,6 +53,26 @@ from moqt.objects import (
 from moqt.wire import VARINT_MAX, KeyValuePair, encode_kvps, encode_varint
 
 # --- helpers -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(
+    scope="module",
+    autouse=True,
+    params=[
+        pytest.param(
+            "native",
+            marks=pytest.mark.skipif(not moqt.objects.NATIVE_HEADERS, reason="not built here"),
+        ),
+        "python",
+    ],
+)
+def object_reader(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Who reads object headers: ``moqt._objscan`` with the Python reader behind it, or the
+    Python reader alone."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "python":
+            patch.setattr(moqt.objects, "_native", None)
+        yield str(request.param)
 
 
 def collect(events: Sequence[DataStreamEvent]) -> list[tuple[Any, ...]]:

@@ -1,0 +1,340 @@
+"""moqt._objscan: object headers read in C give exactly what the Python reader gives (d16 §10.4,
+§11.2-11.4), and everything it does not take is left to that reader.
+
+The native functions take a header only when it is whole and valid; for every other input they
+return None and :class:`~moqt.objects.DataStreamParser` reads it in Python. So these tests feed
+the same streams (valid, corrupted, cut short; whole, byte by byte, in random pieces) to a parser
+with the native reader and to one without, and require the same events or the same error, reason
+included; and they check, header by header, what the native functions decline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_objects import collect, fetch_streams, random_sizes, subgroup_streams
+
+import moqt.objects
+from moqt.errors import MalformedTrack, MOQTError, ProtocolViolation
+from moqt.objects import (
+    DataStreamParser,
+    FetchStreamWriter,
+    ObjectStart,
+    SubgroupHeader,
+    SubgroupWriter,
+    layer_digest_extension,
+)
+from moqt.wire import VARINT_MAX, Reader, encode_kvps, encode_varint
+
+pytestmark = pytest.mark.skipif(
+    not moqt.objects.NATIVE_HEADERS, reason="moqt._objscan was not built here (no C compiler)"
+)
+
+DIGEST = layer_digest_extension(hashlib.sha256(b"layer").digest())
+
+
+def fetch(data: bytes, pos: int, prior: Any) -> Any:
+    """``moqt._objscan.fetch_object``."""
+    assert moqt.objects._native is not None
+    return moqt.objects._native.fetch_object(data, pos, prior)
+
+
+def subgroup(data: bytes, pos: int, has_extensions: bool, last: Any) -> Any:
+    """``moqt._objscan.subgroup_object``."""
+    assert moqt.objects._native is not None
+    return moqt.objects._native.subgroup_object(data, pos, has_extensions, last)
+
+
+@contextmanager
+def reader(native: bool) -> Iterator[None]:
+    """Parsers made inside read object headers natively first (``native``) or in Python only."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not native:
+            patch.setattr(moqt.objects, "_native", None)
+        yield
+
+
+def outcome(data: bytes, sizes: Sequence[int] | None, *, native: bool) -> tuple[str, Any]:
+    """The collected events of ``data`` fed in pieces of ``sizes`` (whole when None) and then
+    ended, or the error it raised: its type, code and reason."""
+    with reader(native):
+        parser, events, pos, i = DataStreamParser(), [], 0, 0
+        try:
+            while pos < len(data):
+                size = len(data) if sizes is None else sizes[i % len(sizes)]
+                events += parser.feed(data[pos : pos + size])
+                pos, i = pos + size, i + 1
+            events += parser.feed(b"", end_stream=True)
+        except MOQTError as exc:
+            return "error", (type(exc), exc.error_code, exc.reason)
+        return "ok", collect(events)
+
+
+def same_both_ways(data: bytes, rng: random.Random) -> tuple[str, Any]:
+    result = outcome(data, None, native=True)
+    for sizes in (None, [1], random_sizes(rng)):
+        assert outcome(data, sizes, native=True) == result
+        assert outcome(data, sizes, native=False) == result
+    return result
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(subgroup_streams(), fetch_streams()), st.randoms(use_true_random=False))
+def test_valid_streams_read_the_same(
+    stream: tuple[bytes, list[tuple[Any, ...]]], rng: random.Random
+) -> None:
+    wire, expected = stream
+    assert same_both_ways(wire, rng) == ("ok", expected)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(subgroup_streams(), fetch_streams()), st.randoms(use_true_random=False))
+def test_corrupted_streams_give_the_same_events_or_error(
+    stream: tuple[bytes, list[tuple[Any, ...]]], rng: random.Random
+) -> None:
+    buf = bytearray(stream[0])
+    for _ in range(rng.randint(1, 4)):
+        roll = rng.random()
+        if buf and roll < 0.6:
+            buf[rng.randrange(len(buf))] = rng.randrange(256)
+        elif buf and roll < 0.8:
+            del buf[rng.randrange(len(buf)) :]
+        else:
+            at = rng.randrange(len(buf) + 1)
+            buf[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+    same_both_ways(bytes(buf), rng)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from([b"\x05\x00", b"\x11\x07\x00\x80", b"\x10\x07\x00\x80", b"\x15\x07\x00"]),
+    st.binary(max_size=80),
+    st.randoms(use_true_random=False),
+)
+def test_arbitrary_objects_give_the_same_events_or_error(
+    head: bytes, tail: bytes, rng: random.Random
+) -> None:
+    same_both_ways(head + tail, rng)
+
+
+# --- what the native functions take and decline ---------------------------------------------------
+
+
+def kvsp_block_stream(layers: int = 32, size: int = 64) -> bytes:
+    """A fetch stream as a KVSP publisher writes one block: object = layer, digest extension."""
+    writer = FetchStreamWriter(request_id=3)
+    wire = [writer.header_bytes()]
+    for layer in range(layers):
+        extension = layer_digest_extension(hashlib.sha256(b"%d" % layer).digest())
+        wire.append(
+            writer.object_header(
+                group_id=0,
+                object_id=layer,
+                subgroup_id=0,
+                publisher_priority=128,
+                payload_length=size,
+                extensions=[extension],
+            )
+        )
+        wire.append(bytes([layer]) * size)
+    return b"".join(wire)
+
+
+def test_a_kvsp_block_has_every_header_read_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = moqt.objects._native
+    assert native is not None
+    taken: list[int] = []
+
+    class Spy:
+        @staticmethod
+        def fetch_object(data: Any, pos: int, prior: Any) -> Any:
+            got = native.fetch_object(data, pos, prior)
+            taken.append(got is not None)
+            return got
+
+    monkeypatch.setattr(moqt.objects, "_native", Spy)
+    wire = kvsp_block_stream()
+    events = DataStreamParser().feed(wire, end_stream=True)
+    starts = [event for event in events if isinstance(event, ObjectStart)]
+    assert [start.object_id for start in starts] == list(range(32))
+    assert taken == [True] * 32
+
+
+def python_read(wire: bytes, pos: int, prior: Any = None) -> tuple[ObjectStart, int]:
+    """The fetch object header at ``wire[pos:]`` as the Python reader reads it."""
+    parser = DataStreamParser()
+    parser.feed(b"\x05\x00")
+    parser._last = prior
+    reader = Reader.at(memoryview(wire), pos)
+    unit = parser._read_fetch_object(reader)
+    assert isinstance(unit, ObjectStart)
+    return unit, reader.position
+
+
+def test_fetch_object_matches_the_python_reader_field_by_field() -> None:
+    writer = FetchStreamWriter(request_id=1)
+    first = writer.object_header(
+        group_id=9,
+        object_id=5,
+        subgroup_id=2,
+        publisher_priority=7,
+        payload_length=1 << 20,
+        extensions=[(0x3C, 4), DIGEST],
+    )
+    got = fetch(first, 0, None)
+    unit, end = python_read(first, 0)
+    assert got == (
+        end,
+        unit.group_id,
+        unit.subgroup_id,
+        unit.object_id,
+        unit.publisher_priority,
+        unit.extensions,
+        unit.payload_length,
+    )
+    # the next object inherits group, subgroup (NEXT), object id + 1 and priority
+    second = writer.object_header(
+        group_id=9, object_id=6, subgroup_id=3, publisher_priority=7, payload_length=0
+    )
+    assert second[0] == 0x02  # flags: subgroup = prior + 1, all else inherited
+    padded = b"xx" + second
+    assert fetch(padded, 2, unit) == (len(padded), 9, 3, 6, 7, (), 0)
+
+
+def cut_points(wire: bytes) -> Iterator[bytes]:
+    for cut in range(len(wire)):
+        yield wire[:cut]
+
+
+def test_a_header_cut_short_is_declined_at_every_cut() -> None:
+    wire = FetchStreamWriter(request_id=1).object_header(
+        group_id=1, object_id=2, subgroup_id=5, publisher_priority=1, payload_length=70000,
+        extensions=[DIGEST, (0x3E, 1)],
+    )  # fmt: skip
+    assert fetch(wire, 0, None) is not None
+    for short in cut_points(wire):
+        assert fetch(short, 0, None) is None
+    header = SubgroupHeader(track_alias=1, group_id=0, has_extensions=True)
+    object_wire = SubgroupWriter(header).object_header(3, 500, extensions=[DIGEST])
+    assert subgroup(object_wire, 0, True, None) == (
+        len(object_wire),
+        3,
+        (DIGEST,),
+        500,
+    )
+    for short in cut_points(object_wire):
+        assert subgroup(short, 0, True, None) is None
+
+
+def fetch_with(flags: int, *fields: bytes) -> bytes:
+    return encode_varint(flags) + b"".join(fields)
+
+
+def ext_block(*pairs: tuple[int, int | bytes]) -> bytes:
+    block = encode_kvps(pairs)
+    return encode_varint(len(block)) + block
+
+
+DECLINED_FETCH = {
+    # End of Range markers and invalid flags
+    "end of non-existent range": fetch_with(0x8C, b"\x01\x02"),
+    "end of unknown range": fetch_with(0x10C, b"\x01\x02"),
+    "flags 0x80": fetch_with(0x80, b"\x00" * 8),
+    # inherited fields with no prior object
+    "group from no prior": fetch_with(0x04 | 0x10, b"\x01\x07\x05"),
+    "object from no prior": fetch_with(0x08 | 0x10, b"\x01\x07\x05"),
+    "priority from no prior": fetch_with(0x08 | 0x04, b"\x01\x01\x05"),
+    "subgroup from no prior": fetch_with(0x08 | 0x04 | 0x10 | 0x01, b"\x01\x01\x07\x05"),
+    # per-object extension rules (§11.2-11.4)
+    "two IMMUTABLE_EXTENSIONS": fetch_with(0x3C, b"\x01\x01\x07", ext_block((11, b""), (11, b""))),
+    "nested IMMUTABLE_EXTENSIONS": fetch_with(
+        0x3C, b"\x01\x01\x07", ext_block((11, encode_kvps([(11, b"")])))
+    ),
+    "unparsable IMMUTABLE_EXTENSIONS": fetch_with(0x3C, b"\x01\x01\x07", ext_block((11, b"\x01"))),
+    "repeated PRIOR_GROUP_ID_GAP": fetch_with(
+        0x3C, b"\x01\x01\x07", ext_block((0x3C, 1), (0x3C, 2))
+    ),
+    "a pair cut inside the block": fetch_with(0x3C, b"\x01\x01\x07", b"\x02\x03\x05"),
+    "an odd value over 65535": fetch_with(0x3C, b"\x01\x01\x07", b"\x05\x03\x80\x01\x00\x00"),
+    "extensions over the cap": fetch_with(0x3C, b"\x01\x01\x07", encode_varint((1 << 20) + 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(DECLINED_FETCH))
+def test_fetch_object_declines_what_python_must_decide(name: str) -> None:
+    wire = DECLINED_FETCH[name] + b"\x05" + bytes(8)  # a payload length, then room to spare
+    assert fetch(wire, 0, None) is None
+
+
+def test_declined_fetch_headers_raise_in_python_as_before() -> None:
+    for name, wire in DECLINED_FETCH.items():
+        if name.startswith(("end of", "extensions over")):
+            continue  # a valid marker; a header that closes the session on its length alone
+        with reader(native=True), pytest.raises((ProtocolViolation, MOQTError)):
+            DataStreamParser().feed(b"\x05\x00" + wire + b"\x05" + bytes(8), end_stream=True)
+
+
+def test_fetch_object_declines_an_inherited_field_the_prior_lacks() -> None:
+    prior = ObjectStart(
+        group_id=0,
+        subgroup_id=None,
+        object_id=VARINT_MAX,
+        publisher_priority=None,
+        extensions=(),
+        payload_length=0,
+    )
+    assert fetch(fetch_with(0x1C, b"\x00\x00\x01\x05"), 0, prior) == (
+        5, 0, 0, 0, 1, (), 5,
+    )  # fmt: skip
+    # object id prior + 1 beyond 2^62 - 1; subgroup from a prior without one; priority None
+    assert fetch(fetch_with(0x18, b"\x00\x01\x05"), 0, prior) is None
+    assert fetch(fetch_with(0x1D, b"\x00\x00\x01\x05"), 0, prior) is None
+    assert fetch(fetch_with(0x0C, b"\x00\x00\x05"), 0, prior) is None
+
+
+def test_subgroup_object_declines_status_objects_and_id_overflow() -> None:
+    status = b"\x00\x00\x03"  # object 0, no payload, status END_OF_GROUP
+    assert subgroup(status, 0, False, None) is None
+    last = ObjectStart(
+        group_id=0,
+        subgroup_id=0,
+        object_id=VARINT_MAX - 1,
+        publisher_priority=1,
+        extensions=(),
+        payload_length=1,
+    )
+    assert subgroup(b"\x00\x01", 0, False, last) == (2, VARINT_MAX, (), 1)
+    assert subgroup(b"\x01\x01", 0, False, last) is None
+
+
+def test_bad_calls_raise_not_crash() -> None:
+    native = moqt.objects._native
+    assert native is not None
+    with pytest.raises(ValueError):
+        native.fetch_object(b"\x00\x01", 3, None)
+    with pytest.raises(ValueError):
+        native.subgroup_object(b"\x00\x01", -1, False, None)
+    with pytest.raises(TypeError):
+        native.fetch_object(b"\x00\x01", 0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        native.fetch_object("text", 0, None)  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):  # a prior without the fields the header inherits
+        native.fetch_object(b"\x00\x05", 0, object())  # type: ignore[arg-type]
+
+
+def test_a_malformed_track_error_names_the_same_rule() -> None:
+    header = SubgroupHeader(track_alias=1, group_id=0, has_extensions=True)
+    wire = (
+        SubgroupWriter(header).header_bytes() + b"\x00" + ext_block((11, b""), (11, b"")) + b"\x01x"
+    )
+    for native in (True, False):
+        with reader(native), pytest.raises(MalformedTrack) as info:
+            DataStreamParser().feed(wire)
+        assert "0xb" in info.value.reason

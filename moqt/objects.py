@@ -68,6 +68,7 @@ the Python reader, which takes every header it declines: errors, edge cases, spl
 
 __all__ = [
     "KVSP_LAYER_DIGEST",
+    "Crossing",
     "LAYER_DIGEST_SIZE",
     "DataStreamEvent",
     "DataStreamParser",
@@ -172,6 +173,11 @@ class _Prior:
 
 _Last: TypeAlias = ObjectStart | _Prior
 
+Crossing: TypeAlias = tuple[int, int, ObjectStart, ObjectStart, int]
+"""What :meth:`DataStreamParser.cross_boundary` took from a piece: ``(tail, offset, ended,
+started, head)``. ``piece[:tail]`` ends the payload of ``ended`` at payload offset ``offset``;
+``started`` begins, its payload from ``piece[head:]`` at offset 0."""
+
 
 _MIN_WINDOW = 64
 
@@ -238,6 +244,34 @@ class DataStreamParser:
         self._offset = offset + size
         self._payload_left = left - size
         return offset
+
+    def cross_boundary(self, view: memoryview) -> Crossing | None:
+        """The fast path of :meth:`feed` for a piece that crosses one object boundary: it ends
+        the current object's payload, then holds the next object's whole header and the start
+        (not all) of its payload. Takes it and returns what :meth:`feed` would give as an
+        :class:`ObjectChunk`, :class:`ObjectEnd`, :class:`ObjectStart` and :class:`ObjectChunk`
+        (see :class:`Crossing`); or returns None and takes nothing for any other piece (more
+        or fewer boundaries, a header cut short, a marker, a status object).
+
+        Raises:
+            as :meth:`feed` would for the same piece (the next object's header is invalid).
+        """
+        left, size = self._payload_left, len(view)
+        if not left or left >= size or self._done:
+            return None
+        read = self._attempt(view, left)
+        if read is None:
+            return None
+        unit, head = read
+        rest = size - head
+        if type(unit) is not ObjectStart or rest <= 0 or unit.payload_length <= rest:
+            return None
+        ended, offset = self._current, self._offset
+        assert ended is not None  # inside a payload
+        self._last = self._current = unit
+        self._offset = rest
+        self._payload_left = unit.payload_length - rest
+        return left, offset, ended, unit, head
 
     def _take_payload(self, view: memoryview, pos: int, events: list[DataStreamEvent]) -> int:
         take = min(self._payload_left, len(view) - pos)

@@ -576,9 +576,11 @@ def test_stream_round_trip_any_chunking(
     assert feed_in(wire, random_sizes(rng)) == expected
 
 
-def feed_fast(data: bytes, sizes: Sequence[int]) -> list[Any]:
-    """As :func:`feed_in`, but each piece first tries :meth:`DataStreamParser.payload_within`
-    (the session's sink path), standing in an ObjectChunk for what it takes."""
+def feed_fast(data: bytes, sizes: Sequence[int], crossed: list[int] | None = None) -> list[Any]:
+    """As :func:`feed_in`, but each piece first tries the session's sink paths:
+    :meth:`DataStreamParser.payload_within` (an ObjectChunk stands in for what it takes) and
+    :meth:`DataStreamParser.cross_boundary` (the four events it stands for); ``crossed``
+    collects the sizes of the pieces the latter took."""
     parser = DataStreamParser()
     events: list[DataStreamEvent] = []
     pos, i = 0, 0
@@ -587,8 +589,19 @@ def feed_fast(data: bytes, sizes: Sequence[int]) -> list[Any]:
         pos, i = pos + len(piece), i + 1
         end = pos == len(data)
         offset = -1 if end else parser.payload_within(len(piece))
+        crossing = None if end or offset >= 0 else parser.cross_boundary(memoryview(piece))
         if offset >= 0:
             events.append(ObjectChunk(memoryview(piece), offset))
+        elif crossing is not None:
+            tail, at, ended, started, head = crossing
+            events += [
+                ObjectChunk(memoryview(piece)[:tail], at),
+                ObjectEnd(ended.group_id, ended.object_id),
+                started,
+                ObjectChunk(memoryview(piece)[head:], 0),
+            ]
+            if crossed is not None:
+                crossed.append(len(piece))
         else:
             events += parser.feed(piece, end_stream=end)
     return collect(events)
@@ -602,6 +615,97 @@ def test_payload_fast_path_gives_what_feed_gives(
     wire, expected = stream
     assert feed_fast(wire, [1]) == expected
     assert feed_fast(wire, random_sizes(rng)) == expected
+    assert feed_fast(wire, [rng.randint(20, 400) for _ in range(20)]) == expected
+
+
+def test_a_piece_crossing_one_boundary_takes_the_boundary_path() -> None:
+    writer = FetchStreamWriter(request_id=4)
+    wire = [writer.header_bytes()]
+    cuts = []  # the middle of each payload: every boundary falls inside one piece, whole
+    for object_id in range(8):
+        digest = layer_digest_extension(hashlib.sha256(b"%d" % object_id).digest())
+        fields = writer.object_header(
+            group_id=0,
+            object_id=object_id,
+            subgroup_id=0,
+            publisher_priority=1,
+            payload_length=1000,
+            extensions=[digest],
+        )
+        wire += [fields, bytes([object_id]) * 1000]
+        cuts.append(sum(map(len, wire)) - 500)
+    data = b"".join(wire)
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    crossed: list[int] = []
+    assert feed_fast(data, sizes, crossed) == feed_in(data)
+    assert crossed == sizes[1:-1]  # each boundary but the stream's end (feed takes the FIN)
+
+
+def test_the_boundary_path_takes_nothing_it_cannot_take_whole() -> None:
+    def headers(*lengths: int) -> list[bytes]:
+        """Object headers 0, 1, ... of a new fetch stream, with these payload lengths."""
+        writer = FetchStreamWriter(request_id=4)
+        return [writer.header_bytes()] + [
+            writer.object_header(
+                group_id=0, object_id=i, subgroup_id=0, publisher_priority=1, payload_length=n
+            )
+            for i, n in enumerate(lengths)
+        ]
+
+    def header(object_id: int, length: int) -> bytes:
+        assert object_id == 1
+        return headers(10, length)[2]
+
+    def parser_inside() -> DataStreamParser:
+        parser = DataStreamParser()
+        parser.feed(b"".join(headers(10)) + b"abcd")  # 6 payload octets left
+        return parser
+
+    writer = FetchStreamWriter(request_id=4)
+
+    cases = {
+        "the payload does not end here": b"efgh",
+        "it ends exactly here": b"efghij",
+        "the next header is cut short": b"efghij" + header(1, 50)[:-1],
+        "the next header ends the piece": b"efghij" + header(1, 50),
+        "the next object ends in it too": b"efghij" + header(1, 2) + b"xy",
+        "a zero-length object follows": b"efghij" + b"".join(headers(10, 0, 50)[2:]) + b"z",
+        "an End of Range marker follows": b"efghij" + writer.end_of_range(0, 5),
+    }
+    for name, piece in cases.items():
+        parser = parser_inside()
+        assert parser.cross_boundary(memoryview(piece)) is None, name
+        events = parser.feed(piece)  # nothing was taken: feed sees the whole piece
+        assert isinstance(events[0], ObjectChunk) and events[0].offset == 4, name
+    parser = parser_inside()
+    took = parser.cross_boundary(memoryview(b"efghij" + header(1, 50) + b"xyz"))
+    assert took is not None
+    tail, offset, ended, started, head = took
+    assert (tail, offset, ended.object_id, started.object_id) == (6, 4, 0, 1)
+    assert head == 6 + len(header(1, 50))
+    assert parser.payload_within(46) == 3  # the rest of object 1's payload, after "xyz"
+
+
+def test_the_boundary_path_raises_what_feed_raises() -> None:
+    header = SubgroupHeader(track_alias=1, group_id=0, has_extensions=True)
+    writer = SubgroupWriter(header)
+    start = writer.header_bytes() + writer.object_header(0, 4) + b"ab"
+    repeated = b"\x00" + encode_varint(4) + encode_kvps([(0x0B, b""), (0x0B, b"")]) + b"\x05"
+    for piece in (b"cd" + repeated + b"xyz", b"cd\x00\x80"):  # malformed track; a bad varint?
+        errors = []
+        for path in ("feed", "cross_boundary"):
+            parser = DataStreamParser()
+            parser.feed(start)
+            try:
+                if path == "feed":
+                    parser.feed(piece)
+                else:
+                    parser.cross_boundary(memoryview(piece))
+            except MOQTError as exc:
+                errors.append((type(exc), exc.reason))
+            else:
+                errors.append(None)
+        assert errors[0] == errors[1]
 
 
 def test_payload_fast_path_takes_only_what_lies_inside_a_payload() -> None:

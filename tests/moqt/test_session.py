@@ -28,7 +28,13 @@ from moqt.messages import (
     SubscribeOk,
 )
 from moqt.messages_params import ExtensionType
-from moqt.objects import SubgroupHeader, SubgroupWriter, find_layer_digest, layer_digest_extension
+from moqt.objects import (
+    DataStreamParser,
+    SubgroupHeader,
+    SubgroupWriter,
+    find_layer_digest,
+    layer_digest_extension,
+)
 from moqt.session import MOQTSession, SessionConfig
 from moqt.session_events import (
     DatagramReceived,
@@ -704,6 +710,91 @@ def test_a_track_sink_gets_datagrams_and_the_malformed_track(pair: Pair) -> None
     assert of_type(pair.client_events, DatagramReceived) == []
     assert of_type(pair.client_events, MalformedTrackDetected) == []
     assert of_type(pair.client_events, DataStreamReset) == []
+
+
+def watch_crossings(monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], list[str]]:
+    """Record each :meth:`DataStreamParser.cross_boundary` call: whether it took the piece,
+    and the name of each error it raised."""
+    took: list[bool] = []
+    raised: list[str] = []
+    cross = DataStreamParser.cross_boundary
+
+    def spy(parser: DataStreamParser, view: memoryview) -> Any:
+        try:
+            crossing = cross(parser, view)
+        except Exception as exc:
+            raised.append(type(exc).__name__)
+            raise
+        took.append(crossing is not None)
+        return crossing
+
+    monkeypatch.setattr(DataStreamParser, "cross_boundary", spy)
+    return took, raised
+
+
+def test_a_sink_sees_objects_crossing_packets_as_the_event_path_does(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crossed, _ = watch_crossings(monkeypatch)
+    payloads = layers(12, 700)  # smaller than a datagram: most packets end one, start another
+    rid = pair.c.fetch(NS, TRACK, Location(0, 0), Location(0, 12))
+    sink = RecordingSink()
+    pair.c.set_track_sink(rid, sink)
+    pair.pump()
+    before = pair.c.payload_octets_received
+    serve_fetch(pair, rid, 0, 11, payloads)
+    assert any(crossed), "no packet took the boundary path"
+    bounds = [
+        (type(event).__name__, event.object_id)
+        for event in sink.events
+        if isinstance(event, ObjectHeader | ObjectEnd)
+    ]
+    assert bounds == [(kind, i) for i in range(12) for kind in ("ObjectHeader", "ObjectEnd")]
+    headers = [event for event in sink.events if isinstance(event, ObjectHeader)]
+    assert [h.object.extensions for h in headers] == [
+        (layer_digest_extension(hashlib.sha256(payload).digest()),) for payload in payloads
+    ]
+    objects: dict[int, bytearray] = {}
+    current = -1
+    pieces = iter(sink.payload)
+    for event in sink.events:  # payload pieces fall between each object's header and end
+        if isinstance(event, ObjectHeader):
+            current, objects[event.object_id] = event.object_id, bytearray()
+        elif isinstance(event, ObjectEnd):
+            while len(objects[current]) < len(payloads[current]):
+                _, data, offset = next(pieces)
+                assert offset == len(objects[current])
+                objects[current] += data
+    assert [bytes(objects[i]) for i in range(12)] == payloads
+    assert next(pieces, None) is None
+    assert pair.c.payload_octets_received - before == sum(map(len, payloads))
+    assert type(sink.events[-1]) is DataStreamFinished
+
+
+def test_a_malformed_header_after_a_boundary_still_marks_the_track(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, raised = watch_crossings(monkeypatch)
+    rid = pair.c.fetch(NS, TRACK, Location(0, 0), Location(0, 2))
+    sink = RecordingSink()
+    pair.c.set_track_sink(rid, sink)
+    pair.pump()
+    pair.server.fetch_ok(rid, end_location=Location(0, 1))
+    stream_id = pair.server.open_fetch_stream(rid)
+    # object 0 outlasts the first datagram, so the next one holds its end and object 1's header
+    pair.server.send_fetch_object(stream_id, group_id=0, object_id=0, payload=b"a" * 1500)
+    immutable = (ExtensionType.IMMUTABLE_EXTENSIONS, encode_kvps([(0x4B57, b"x" * 32)]))
+    pair.server.send_fetch_object(
+        stream_id, group_id=0, object_id=1, payload=b"b" * 300, extensions=[immutable] * 2
+    )
+    pair.pump()
+    assert raised == ["MalformedTrack"]  # found on the boundary path, then by feed again
+    kinds = [type(event) for event in sink.events]
+    assert kinds[:2] == [FetchStreamOpened, ObjectHeader] and MalformedTrackDetected in kinds
+    got = b"".join(data for _, data, _ in sink.payload)
+    assert len(got) < 1500 and got == b"a" * len(got)  # the piece ending it went with the track
+    assert ObjectEnd not in kinds
+    assert pair.c.closed is None  # a malformed track, not a session error
 
 
 def test_removing_the_sink_returns_events_again(pair: Pair) -> None:

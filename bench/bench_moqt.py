@@ -7,10 +7,10 @@ For every backend × max_datagram_size the server runs in its own process (so ea
 core) with both a MOQT server and a raw QUIC server; the client holds one connection to each and
 fetches whole blocks, alternating: one over MOQT (standalone FETCH {0,0}..{0,32}: FETCH_OK plus
 one fetch stream, payload pieces and object ends counted by sinks in the QUIC event handler
-as they arrive, :meth:`~moqt.transport.TrackReader.set_payload_sink` with ``object_end``), one
-over raw QUIC (one bidi
-stream per block, the server writing 2 MiB, bytes counted in the protocol's event handler), so
-both see the same load on a shared machine. Both use the same QUIC settings: the given datagram
+as they arrive, :meth:`~moqt.transport.TrackReader.set_payload_sink` with ``object_end``, then
+:meth:`~moqt.transport.TrackReader.finished`), one over raw QUIC (one bidi stream per block,
+the server writing 2 MiB, bytes counted in the protocol's event handler), so both see the same
+load on a shared machine. Both use the same QUIC settings: the given datagram
 size, 64 MiB / 32 MiB flow-control windows and 4 MiB socket buffers, and both connections go
 through :meth:`~moqt.backend.Backend.quiet` (qh3 without its logger-less packet logging).
 Goodput counts payload bytes only. Object headers are read by the native ``moqt._objscan``
@@ -237,8 +237,7 @@ async def run_moqt(backend: str, datagram: int, port: int, cert: str, seconds: f
                 if payload != BLOCK:
                     raise AssertionError("MOQT block differs")
                 return len(payload)
-            async for _ in response.track.events():  # object headers and the stream's end
-                pass
+            await response.track.finished()  # payload and object ends went to the sinks
             return received[0]
 
         await block(check=True)
@@ -379,8 +378,7 @@ async def run_paired(
             response = await connection.fetch(
                 NS, TRACK, Location(0, 0), Location(0, 32), payload_sink=sink, object_end=object_end
             )
-            async for _ in response.track.events():
-                pass  # the stream's opening and end (object ends go to object_end)
+            await response.track.finished()  # payload and object ends went to the sinks
             if objects[0] != 32:
                 raise AssertionError(f"{objects[0]} objects, expected 32")
             return counted[0]

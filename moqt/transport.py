@@ -115,6 +115,7 @@ class TrackReader:
         self.ended = False
         self._items: deque[_Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._finish_waiters: list[asyncio.Future[None]] = []  # finished() callers
         self._error: Exception | None = None
         self._streams_expected: int | None = None
         self._streams_ended = 0
@@ -194,6 +195,10 @@ class TrackReader:
         self.ended = True
         self._error = error
         self._wake()
+        waiters, self._finish_waiters = self._finish_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         if self._on_end is not None:
             self._on_end(self)
 
@@ -258,6 +263,26 @@ class TrackReader:
             await self._waiter
         finally:
             self._waiter = None
+
+    async def finished(self) -> None:
+        """Wait until the track has ended, without reading it: for a reader whose payload and
+        object ends go to sinks (:meth:`set_payload_sink` with ``object_end``), where the
+        iterators would only wake for each stream's opening and end. Those events stay queued
+        for the iterators.
+
+        Raises:
+            SessionClosedError, MalformedTrackError: the track ended so (as :meth:`events`).
+        """
+        if not self.ended:
+            waiter = asyncio.get_running_loop().create_future()
+            self._finish_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._finish_waiters:
+                    self._finish_waiters.remove(waiter)
+        if self._error is not None:
+            raise self._error
 
     async def events(self) -> AsyncIterator[MOQTEvent]:
         """The raw data events: stream opened, object header, payload pieces, ends.

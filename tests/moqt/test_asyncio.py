@@ -197,6 +197,12 @@ def test_fetch_into_sinks_wakes_the_reader_only_for_stream_events(
         assert kinds == [FetchStreamOpened, DataStreamFinished]
         assert ended == list(range(32))
         assert buffer == BLOCK
+        ended.clear()
+        again = await connection.fetch(
+            NS, TRACK, Location(0, 0), Location(0, 32), payload_sink=sink, object_end=object_end
+        )
+        await again.track.finished()  # the same, waited for without reading the track
+        assert ended == list(range(32)) and buffer == BLOCK
 
     run_client(backend, cert_pair, client)
 

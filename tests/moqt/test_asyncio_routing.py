@@ -378,6 +378,52 @@ def test_object_end_takes_the_object_bounds_out_of_the_iterators() -> None:
     asyncio.run(main())
 
 
+def test_finished_waits_for_the_end_without_reading_and_leaves_the_events() -> None:
+    async def main() -> None:
+        reader = TrackReader(7)
+        ends: list[int] = []
+        reader.set_payload_sink(lambda h, data, offset: None, object_end=lambda h: ends.append(1))
+        waiting = asyncio.ensure_future(reader.finished())
+        also = asyncio.ensure_future(reader.finished())  # two waiters: both released
+        reader.on_event(FetchStreamOpened(3, 7))
+        reader.on_event(header(3, 0, 2))
+        reader.on_payload(3, memoryview(b"ab"), 0)
+        reader.on_event(ObjectEnd(3, 7, 0, 0))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # stream events do not end the wait
+        reader.on_event(DataStreamFinished(3, 7))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # the fetch has not said it is complete yet
+        reader._fetch_done()
+        await asyncio.wait_for(asyncio.gather(waiting, also), 1)
+        assert ends == [1] and reader._finish_waiters == []
+        await reader.finished()  # an ended reader returns at once
+        kinds = [type(event) async for event in reader.events()]
+        assert kinds == [FetchStreamOpened, DataStreamFinished]
+
+    asyncio.run(main())
+
+
+def test_finished_raises_how_the_track_ended_and_forgets_a_cancelled_wait() -> None:
+    async def main() -> None:
+        reader = TrackReader(7)
+        cancelled = asyncio.ensure_future(reader.finished())
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cancelled
+        assert reader._finish_waiters == []
+        waiting = asyncio.ensure_future(reader.finished())
+        await asyncio.sleep(0)
+        reader.on_event(MalformedTrackDetected(7, 3, "two IMMUTABLE_EXTENSIONS"))
+        with pytest.raises(MalformedTrackError):
+            await asyncio.wait_for(waiting, 1)
+        with pytest.raises(MalformedTrackError):
+            await reader.finished()
+
+    asyncio.run(main())
+
+
 def test_without_a_payload_sink_object_end_is_not_used() -> None:
     async def main() -> None:
         reader = TrackReader(7)

@@ -68,8 +68,8 @@ the Python reader, which takes every header it declines: errors, edge cases, spl
 
 __all__ = [
     "KVSP_LAYER_DIGEST",
-    "Crossing",
     "LAYER_DIGEST_SIZE",
+    "Crossing",
     "DataStreamEvent",
     "DataStreamParser",
     "EndOfRange",

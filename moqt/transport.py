@@ -399,7 +399,9 @@ def protocol_class(backend: Backend) -> type:
 
     def transmit(self: Any) -> None:
         base.transmit(self)
-        self.moqt._wake()
+        connection = self.moqt
+        if connection._tick is not None:  # a writer waits for the connection to move
+            connection._wake()
 
     namespace = {
         "__init__": __init__,

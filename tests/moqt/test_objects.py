@@ -652,8 +652,8 @@ def test_the_boundary_path_takes_nothing_it_cannot_take_whole() -> None:
             for i, n in enumerate(lengths)
         ]
 
-    def header(object_id: int, length: int) -> bytes:
-        assert object_id == 1
+    def second(length: int) -> bytes:
+        """Object 1's header, after an object 0 of 10 octets."""
         return headers(10, length)[2]
 
     def parser_inside() -> DataStreamParser:
@@ -661,16 +661,14 @@ def test_the_boundary_path_takes_nothing_it_cannot_take_whole() -> None:
         parser.feed(b"".join(headers(10)) + b"abcd")  # 6 payload octets left
         return parser
 
-    writer = FetchStreamWriter(request_id=4)
-
     cases = {
         "the payload does not end here": b"efgh",
         "it ends exactly here": b"efghij",
-        "the next header is cut short": b"efghij" + header(1, 50)[:-1],
-        "the next header ends the piece": b"efghij" + header(1, 50),
-        "the next object ends in it too": b"efghij" + header(1, 2) + b"xy",
+        "the next header is cut short": b"efghij" + second(50)[:-1],
+        "the next header ends the piece": b"efghij" + second(50),
+        "the next object ends in it too": b"efghij" + second(2) + b"xy",
         "a zero-length object follows": b"efghij" + b"".join(headers(10, 0, 50)[2:]) + b"z",
-        "an End of Range marker follows": b"efghij" + writer.end_of_range(0, 5),
+        "an End of Range marker follows": b"efghij" + FetchStreamWriter(4).end_of_range(0, 5),
     }
     for name, piece in cases.items():
         parser = parser_inside()
@@ -678,11 +676,11 @@ def test_the_boundary_path_takes_nothing_it_cannot_take_whole() -> None:
         events = parser.feed(piece)  # nothing was taken: feed sees the whole piece
         assert isinstance(events[0], ObjectChunk) and events[0].offset == 4, name
     parser = parser_inside()
-    took = parser.cross_boundary(memoryview(b"efghij" + header(1, 50) + b"xyz"))
+    took = parser.cross_boundary(memoryview(b"efghij" + second(50) + b"xyz"))
     assert took is not None
     tail, offset, ended, started, head = took
     assert (tail, offset, ended.object_id, started.object_id) == (6, 4, 0, 1)
-    assert head == 6 + len(header(1, 50))
+    assert head == 6 + len(second(50))
     assert parser.payload_within(46) == 3  # the rest of object 1's payload, after "xyz"
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_objects import collect, fetch_streams, random_sizes, subgroup_streams
+from test_objects import feed_in, fetch_streams, random_sizes, subgroup_streams
 
 import moqt.objects
 from moqt.errors import MalformedTrack, MOQTError
@@ -62,19 +62,13 @@ def reader(native: bool) -> Iterator[None]:
 
 
 def outcome(data: bytes, sizes: Sequence[int] | None, *, native: bool) -> tuple[str, Any]:
-    """The collected events of ``data`` fed in pieces of ``sizes`` (whole when None) and then
-    ended, or the error it raised: its type, code and reason."""
+    """What :func:`feed_in` makes of ``data`` with this reader, or the error it raised: its
+    type, code and reason."""
     with reader(native):
-        parser, events, pos, i = DataStreamParser(), [], 0, 0
         try:
-            while pos < len(data):
-                size = len(data) if sizes is None else sizes[i % len(sizes)]
-                events += parser.feed(data[pos : pos + size])
-                pos, i = pos + size, i + 1
-            events += parser.feed(b"", end_stream=True)
+            return "ok", feed_in(data, sizes)
         except MOQTError as exc:
             return "error", (type(exc), exc.error_code, exc.reason)
-        return "ok", collect(events)
 
 
 def same_both_ways(data: bytes, rng: random.Random) -> tuple[str, Any]:

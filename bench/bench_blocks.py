@@ -18,7 +18,9 @@ server is ``kvsp serve holder`` (uvicorn with uvloop + httptools, in its own pro
     (Repr-Digest + layer digests + replica digest), 1 and 4 in flight, for each placement of
     the hashing passes (``slices`` hashes slices of the received buffer; ``paired``, the
     default where :mod:`kvsp.sha256x2` is built, does so with both SHA-256 streams interleaved
-    in one pass).
+    in one pass); the bodies land in the client's pooled buffers
+    (:class:`~kvsp.services.buffers.BufferPool`), and the default placement runs once more
+    with a fresh buffer per body ("fresh buffers") to show what the reuse saves.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord
 from kvsp.services.auth import principal_entry, write_principals
 from kvsp.services.block_client import BlockClient, Hashing
+from kvsp.services.buffers import BufferPool
 from kvsp.services.bulk import BulkClient, BytesBody
 from kvsp.services.testing import RunningService, start_process
 
@@ -316,6 +319,8 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
         placements.append("paired")
     # one set of verifying clients per loop: a client's connections belong to its loop
     verifiers = [{h: BlockClient(token, hashing=h) for h in placements} for _ in kinds]
+    # the default placement once more with a fresh buffer per body (no BufferPool reuse)
+    fresh = BlockClient(token, hashing=placements[-1], buffers=BufferPool(0))
 
     async def start_aiohttp() -> None:
         aio.append(aiohttp.ClientSession(headers=auth))
@@ -362,6 +367,10 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
             for inflight in (1, 4):
                 name = f"(f) verified, hashing={hashing}, {inflight} in flight{tag}"
                 cases.append((name, aio_case(get_verified(clients[hashing]), inflight, runner)))
+    name = f"(f) verified, hashing={placements[-1]}, 4 in flight, fresh buffers"
+    cases.append(
+        (name + (f" [{kinds[0]}]" if len(kinds) > 1 else ""), aio_case(get_verified(fresh), 4))
+    )
 
     keep = re.compile(only)
     cases = [c for i, c in enumerate(cases) if i < 2 or keep.search(c[0])]  # (a), (b) always
@@ -394,6 +403,7 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
             await hx.aclose()
             await aio[0].close()
             await bulk.aclose()
+            await fresh.aclose()
         for client in clients.values():
             await client.aclose()
 

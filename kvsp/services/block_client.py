@@ -1,31 +1,31 @@
 """Block retrieval, storage and leases at holders (spec §6.1 "the index is advisory", §6.6, §6.7).
 
-:class:`BlockClient` gets blocks over the bulk path (:mod:`kvsp.services.bulk`) and verifies
-them while they arrive, as §6.7 requires: ``Repr-Digest`` over the whole body, and when the
-returned codec is the replica's, each returned layer against the Replica Record's
-``layer_digests`` and that list against the replica digest. A body of known length lands in
-one buffer, its header is parsed once on the event loop, and worker threads hash large slices
-of that buffer as they arrive (:class:`SliceBody`), with no second parse of the body. By
-default (``"paired"``, where :mod:`kvsp.sha256x2` is built and the CPU has the SHA
-extensions) one ordered pass feeds both SHA-256 streams at once, the ``Repr-Digest`` one and
-the current layer's, interleaved in native code; ``"slices"`` (the default elsewhere) runs the
-two passes with hashlib, the ``Repr-Digest`` pass in order and each layer in one call over its
-adjacent K and V sections; ``"inline"`` does that on the event loop. Bodies of unknown length
-(chunked), a caller's sink, and the older ``"thread"`` and ``"split"`` placements go through
-:class:`VerifyingBody` and the :class:`~kvsp.container_reader.ContainerReader`. Measured side
-by side (``bench_blocks.py``, 2 MiB blocks, 4 in flight, 2-core machine shared with other
-jobs, the server on the same cores): ``"paired"`` 1.15-1.2 GB/s, 0.39-0.42 of a 2.8-3.0 GB/s
-bare-socket HTTP floor over five runs on a quiet machine (median 0.40, on asyncio's loop and
-on uvloop alike), ``"slices"`` 0.28-0.33; on a later day with a faster floor (3.3-3.8 GB/s)
-``"paired"`` moved 1.3-1.55 GB/s, 0.36-0.45 of it. The two passes cost 1.25-1.7 ms of CPU a
-block paired (the two streams keep the core's SHA unit about 95 % busy) against 2.3-3.0 ms
-with hashlib. That is the ceiling on two cores: the one hashing thread is busy for the whole
-run, a four-stream kernel (tried, not kept) hashed no faster per stream than the two-stream
-one, and neither a second hashing thread (at any nice level), nor hashing on the loop when the
-worker is busy, nor receiving and hashing each body in a worker thread of its own moved more
-(measured side by side; the hand-off back to the event loop per block cost what the cache
-saved). A block that fails any check is never handed out: the caller gets an exception, never
-the octets.
+:class:`BlockClient` gets blocks over the bulk path (:mod:`kvsp.services.bulk`) and verifies them
+while they arrive, as §6.7 requires: ``Repr-Digest`` over the whole body, and when the returned
+codec is the replica's, each returned layer against the Replica Record's ``layer_digests`` and that
+list against the replica digest. A body of known length lands in one buffer (lent by a
+:class:`~kvsp.services.buffers.BufferPool`, and used again once the block and every view of it are
+dropped), its header is parsed once on the event loop, and worker threads hash large slices of that
+buffer as they arrive (:class:`SliceBody`), with no second parse of the body. By default
+(``"paired"``, where :mod:`kvsp.sha256x2` is built and the CPU has the SHA extensions) one ordered
+pass feeds both SHA-256 streams at once, the ``Repr-Digest`` one and the current layer's,
+interleaved in native code; ``"slices"`` (the default elsewhere) runs the two passes with hashlib,
+the ``Repr-Digest`` pass in order and each layer in one call over its adjacent K and V sections;
+``"inline"`` does that on the event loop. Bodies of unknown length (chunked), a caller's sink, and
+the older ``"thread"`` and ``"split"`` placements go through :class:`VerifyingBody` and the
+:class:`~kvsp.container_reader.ContainerReader`. Measured side by side (``bench_blocks.py``, 2 MiB
+blocks, 4 in flight, 2-core machine shared with other jobs, the server on the same cores):
+``"paired"`` 1.15-1.2 GB/s, 0.39-0.42 of a 2.8-3.0 GB/s bare-socket HTTP floor over five runs on a
+quiet machine (median 0.40, on asyncio's loop and on uvloop alike), ``"slices"`` 0.28-0.33; on a
+later day with a faster floor (3.3-3.8 GB/s) ``"paired"`` moved 1.3-1.55 GB/s, 0.36-0.45 of it. The
+two passes cost 1.25-1.7 ms of CPU a block paired (the two streams keep the core's SHA unit about
+95 % busy) against 2.3-3.0 ms with hashlib. That is the ceiling on two cores: the one hashing
+thread is busy for the whole run, a four-stream kernel (tried, not kept) hashed no faster per
+stream than the two-stream one, and neither a second hashing thread (at any nice level), nor
+hashing on the loop when the worker is busy, nor receiving and hashing each body in a worker thread
+of its own moved more (measured side by side; the hand-off back to the event loop per block cost
+what the cache saved). A block that fails any check is never handed out: the caller gets an
+exception, never the octets.
 
 :meth:`BlockClient.fetch` walks a block's replicas in order and treats a 404, a broken or slow
 connection, a malformed body or a digest mismatch as "try the next one" (§6.1), returning
@@ -73,6 +73,7 @@ from kvsp.container_reader import ContainerReader, LayerSink
 from kvsp.errors import BadRequest, ContainerError, DigestMismatch, Incompatible, KVSPError
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord, loads
+from kvsp.services.buffers import BufferPool
 from kvsp.services.bulk import (
     DEFAULT_TIMEOUT_S,
     SCRATCH_SIZE,
@@ -283,13 +284,22 @@ class _Reader:
         self.layers.extend(self.reader.feed(piece))
 
 
+def _receive_buffer(size: int, buffers: BufferPool | None) -> memoryview:
+    """The buffer a body lands in: from ``buffers``, or a fresh one."""
+    if buffers is not None:
+        return buffers.take(size)
+    # np.empty: the kernel writes every octet, so zero-filling 2 MiB would be wasted work
+    return np.empty(size, dtype=np.uint8).data.cast("B")
+
+
 class VerifyingBody:
     """A :class:`~kvsp.services.bulk.BodyConsumer` that verifies a block as it arrives.
 
     With a known length the body lands in one buffer and the layers stay there; otherwise it
     lands in segments and the reader copies each layer out (or into ``sink``). ``hashing``
     says where the two passes run: ``"inline"`` on the event loop, ``"thread"`` both in one
-    worker job, ``"split"`` each in its own (two cores hash at once).
+    worker job, ``"split"`` each in its own (two cores hash at once). The first buffer comes
+    from ``buffers`` when given (:class:`~kvsp.services.buffers.BufferPool`).
 
     Raises (from :meth:`written`, aborting the transfer early, or from :meth:`result`):
         DigestMismatch: ``Repr-Digest`` or a layer digest differs, or the layers do not give
@@ -307,6 +317,7 @@ class VerifyingBody:
         executor: Executor | None,
         hashing: Hashing,
         sink: LayerSink | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self._plan = plan
         self._expected = expected
@@ -314,9 +325,9 @@ class VerifyingBody:
         self._executor = executor if hashing != "inline" else None
         self._split = hashing == "split"
         self._contiguous = length is not None
-        # np.empty: the kernel writes every octet, so zero-filling 2 MiB would be wasted work
-        first = np.empty(length if length is not None else 4 * SCRATCH_SIZE, dtype=np.uint8)
-        self._first = self._view = first.data.cast("B")
+        self._first = self._view = _receive_buffer(
+            length if length is not None else 4 * SCRATCH_SIZE, buffers
+        )
         self._fill = 0
         self._total = 0
         self._hash = hashlib.sha256()
@@ -423,7 +434,8 @@ class SliceBody:
     ``step`` octets (and at the end) a worker job extends the ``Repr-Digest`` hash (one job at
     a time, in order) and another hashes the layers completed meanwhile, each layer in one
     ``update`` over its K and V sections (adjacent in the body), so the workers make a few
-    large GIL-free calls per block. The layers handed out are views of the buffer.
+    large GIL-free calls per block. The layers handed out are views of the buffer, which comes
+    from ``buffers`` when given (:class:`~kvsp.services.buffers.BufferPool`).
 
     With ``paired`` (and :data:`kvsp.sha256x2.ACCELERATED`) a block in the replica's codec is
     hashed in one ordered pass instead: each slice feeds the ``Repr-Digest`` stream and the
@@ -444,6 +456,7 @@ class SliceBody:
         executor: Executor | None,
         step: int = SLICE_STEP,
         paired: bool = False,
+        buffers: BufferPool | None = None,
     ) -> None:
         self._plan = plan
         self._paired_wanted = paired and sha256x2.ACCELERATED
@@ -454,8 +467,7 @@ class SliceBody:
         self._length = length
         self._executor = executor
         self._step = step
-        # np.empty: the kernel writes every octet, so zero-filling 2 MiB would be wasted work
-        self._body: memoryview = np.empty(length, dtype=np.uint8).data.cast("B")
+        self._body = _receive_buffer(length, buffers)
         self._fill = 0
         self._header: ContainerHeader | None = None
         self._layer_count = -1  # known once the fixed header has arrived
@@ -868,9 +880,12 @@ class BlockClient:
     ``bulk`` shares a :class:`~kvsp.services.bulk.BulkClient` (not closed here);
     ``executor`` the verification threads (default: a pool of ``workers`` made here; by
     default :func:`default_workers`).
-    ``hashing`` places the verification passes (see :class:`VerifyingBody`). With ``moqt``
-    (closed with this client) :meth:`get_block` and :meth:`fetch` also serve ``moqt://``
-    replicas (a relay's) through it; leases stay HTTP (a relay's ``lease_base``).
+    ``hashing`` places the verification passes (see :class:`VerifyingBody`). ``buffers``
+    lends the memory bodies land in and takes it back when a block is dropped (default: a
+    :class:`~kvsp.services.buffers.BufferPool` of its own; ``BufferPool(0)`` reuses
+    nothing). With ``moqt`` (closed with this client) :meth:`get_block` and :meth:`fetch`
+    also serve ``moqt://`` replicas (a relay's) through it; leases stay HTTP (a relay's
+    ``lease_base``).
     """
 
     def __init__(
@@ -885,6 +900,7 @@ class BlockClient:
         slice_step: int = SLICE_STEP,
         stats: FetchStats | None = None,
         moqt: MoqtGetter | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self._auth = {} if token is None else {"authorization": f"Bearer {token}"}
         self.moqt = moqt
@@ -898,6 +914,7 @@ class BlockClient:
         self.hashing: Hashing = hashing
         self.slice_step = slice_step
         self.stats = stats or FetchStats()
+        self.buffers = BufferPool() if buffers is None else buffers
 
     async def __aenter__(self) -> Self:
         return self
@@ -971,10 +988,22 @@ class BlockClient:
                 executor = None if self.hashing == "inline" else self._executor
                 paired = self.hashing == "paired"
                 return SliceBody(
-                    plan, expected, length, executor=executor, step=self.slice_step, paired=paired
+                    plan,
+                    expected,
+                    length,
+                    executor=executor,
+                    step=self.slice_step,
+                    paired=paired,
+                    buffers=self.buffers,
                 )
             return VerifyingBody(
-                plan, expected, length, executor=self._executor, hashing=self.hashing, sink=sink
+                plan,
+                expected,
+                length,
+                executor=self._executor,
+                hashing=self.hashing,
+                sink=sink,
+                buffers=self.buffers,
             )
 
         headers = {**self._auth, "accept": f"{BLOCK_MEDIA_TYPE}, {PROBLEM_JSON}"}

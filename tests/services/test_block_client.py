@@ -167,6 +167,34 @@ def test_bad_answers_never_hand_out_a_block(
         get(f"{server.base_url}{mode}/", hashing=hashing)
 
 
+@pytest.mark.parametrize("hashing", HASHING)
+def test_a_kept_block_is_never_overwritten_by_later_ones(
+    server: RunningService, hashing: str
+) -> None:
+    """Bodies land in pooled buffers (BufferPool): a block the caller still holds keeps its
+    memory while others are fetched, and a dropped block's memory serves the next one."""
+    holder = f"{server.base_url}good/"
+    other = BlockKey(hashlib.sha256(b"block-client-other").digest())
+
+    async def main() -> None:
+        async with BlockClient(srv.TOKEN, hashing=hashing) as client:
+            kept = await client.get_block(holder, record(holder), geometry=GEOMETRY)
+            k_view = kept.layers[3].k
+            del kept
+            for _ in range(3):
+                block = await client.get_block(holder, record(holder, other), geometry=GEOMETRY)
+                assert block.layers[3].k.tobytes() != EXPECTED.layers[3].k.tobytes()
+                del block
+            assert k_view.tobytes() == EXPECTED.layers[3].k.tobytes()
+            assert client.buffers.reused >= 2  # the other block's buffer came back twice
+            reused = client.buffers.reused
+            del k_view
+            again = await client.get_block(holder, record(holder), geometry=GEOMETRY)
+            assert same_layers(again, 0, 7) and client.buffers.reused == reused + 1
+
+    run(main())
+
+
 def test_flipped_octet_in_a_range(server: RunningService) -> None:
     with pytest.raises(DigestMismatch, match="layer"):
         get(f"{server.base_url}flip/", layers=(4, 7))

@@ -914,6 +914,7 @@ class BlockClient:
         self.hashing: Hashing = hashing
         self.slice_step = slice_step
         self.stats = stats or FetchStats()
+        self._owns_buffers = buffers is None
         self.buffers = BufferPool() if buffers is None else buffers
 
     async def __aenter__(self) -> Self:
@@ -923,13 +924,16 @@ class BlockClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the MOQT client, and the bulk client and the worker pool if made here."""
+        """Close the MOQT client, and the bulk client, the worker pool and the buffer pool if
+        made here (blocks handed out stay valid)."""
         if self.moqt is not None:
             await self.moqt.aclose()
         if self._owns_bulk:
             await self.bulk.aclose()
         if self._owns_executor and self._executor is not None:
             self._executor.shutdown(wait=False)
+        if self._owns_buffers:
+            self.buffers.close()
 
     async def get_block(
         self,

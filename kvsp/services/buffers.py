@@ -88,5 +88,12 @@ class BufferPool:
             self._idle.clear()
             self._idle_bytes = 0
 
+    def close(self) -> None:
+        """Drop every idle buffer and keep none from now on (lent ones are freed when
+        dropped); :meth:`take` still works, allocating each time."""
+        with self._lock:
+            self.max_bytes = 0
+        self.clear()
+
 
 __all__ = ["DEFAULT_POOL_BYTES", "BufferPool"]

@@ -191,6 +191,8 @@ def test_a_kept_block_is_never_overwritten_by_later_ones(
             del k_view
             again = await client.get_block(holder, record(holder), geometry=GEOMETRY)
             assert same_layers(again, 0, 7) and client.buffers.reused == reused + 1
+        assert client.buffers.idle_bytes == 0  # closing the client let its idle buffers go
+        assert same_layers(again, 0, 7)  # a block handed out outlives its client
 
     run(main())
 

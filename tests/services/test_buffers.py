@@ -110,6 +110,17 @@ def test_clear_drops_the_idle_buffers() -> None:
     assert pool.idle_bytes == SIZE  # a lent buffer still comes back
 
 
+def test_a_closed_pool_keeps_nothing() -> None:
+    pool = BufferPool()
+    lent, idle = pool.take(SIZE), pool.take(SIZE)
+    del idle
+    pool.close()
+    assert pool.idle_bytes == 0
+    del lent
+    assert pool.idle_bytes == 0  # freed, not kept
+    assert len(pool.take(SIZE)) == SIZE and pool.reused == 0
+
+
 @pytest.mark.parametrize(("max_bytes", "size"), [(-1, 0), (0, -1)])
 def test_bad_arguments(max_bytes: int, size: int) -> None:
     with pytest.raises(ValueError, match="must be >= 0"):

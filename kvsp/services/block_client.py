@@ -1,31 +1,32 @@
 """Block retrieval, storage and leases at holders (spec §6.1 "the index is advisory", §6.6, §6.7).
 
-:class:`BlockClient` gets blocks over the bulk path (:mod:`kvsp.services.bulk`) and verifies them
-while they arrive, as §6.7 requires: ``Repr-Digest`` over the whole body, and when the returned
-codec is the replica's, each returned layer against the Replica Record's ``layer_digests`` and that
-list against the replica digest. A body of known length lands in one buffer (lent by a
-:class:`~kvsp.services.buffers.BufferPool`, and used again once the block and every view of it are
-dropped), its header is parsed once on the event loop, and worker threads hash large slices of that
-buffer as they arrive (:class:`SliceBody`), with no second parse of the body. By default
-(``"paired"``, where :mod:`kvsp.sha256x2` is built and the CPU has the SHA extensions) one ordered
-pass feeds both SHA-256 streams at once, the ``Repr-Digest`` one and the current layer's,
-interleaved in native code; ``"slices"`` (the default elsewhere) runs the two passes with hashlib,
-the ``Repr-Digest`` pass in order and each layer in one call over its adjacent K and V sections;
-``"inline"`` does that on the event loop. Bodies of unknown length (chunked), a caller's sink, and
-the older ``"thread"`` and ``"split"`` placements go through :class:`VerifyingBody` and the
-:class:`~kvsp.container_reader.ContainerReader`. Measured side by side (``bench_blocks.py``, 2 MiB
-blocks, 4 in flight, 2-core machine shared with other jobs, the server on the same cores):
-``"paired"`` 1.15-1.2 GB/s, 0.39-0.42 of a 2.8-3.0 GB/s bare-socket HTTP floor over five runs on a
-quiet machine (median 0.40, on asyncio's loop and on uvloop alike), ``"slices"`` 0.28-0.33; on a
-later day with a faster floor (3.3-3.8 GB/s) ``"paired"`` moved 1.3-1.55 GB/s, 0.36-0.45 of it. The
-two passes cost 1.25-1.7 ms of CPU a block paired (the two streams keep the core's SHA unit about
-95 % busy) against 2.3-3.0 ms with hashlib. That is the ceiling on two cores: the one hashing
-thread is busy for the whole run, a four-stream kernel (tried, not kept) hashed no faster per
-stream than the two-stream one, and neither a second hashing thread (at any nice level), nor
-hashing on the loop when the worker is busy, nor receiving and hashing each body in a worker thread
-of its own moved more (measured side by side; the hand-off back to the event loop per block cost
-what the cache saved). A block that fails any check is never handed out: the caller gets an
-exception, never the octets.
+:class:`BlockClient` gets blocks over the bulk path (:mod:`kvsp.services.bulk`) and verifies
+them while they arrive, as §6.7 requires: ``Repr-Digest`` over the whole body, and when the
+returned codec is the replica's, each returned layer against the Replica Record's
+``layer_digests`` and that list against the replica digest. A body of known length lands in
+one buffer, its header is parsed once on the event loop, and worker threads hash large slices
+of that buffer as they arrive (:class:`SliceBody`), with no second parse of the body. By
+default (``"paired"``, where :mod:`kvsp.sha256x2` is built and the CPU has the SHA
+extensions) one ordered pass feeds both SHA-256 streams at once, the ``Repr-Digest`` one and
+the current layer's, interleaved in native code; ``"slices"`` (the default elsewhere) runs the
+two passes with hashlib, the ``Repr-Digest`` pass in order and each layer in one call over its
+adjacent K and V sections; ``"inline"`` does that on the event loop. Bodies of unknown length
+(chunked), a caller's sink, and the older ``"thread"`` and ``"split"`` placements go through
+:class:`VerifyingBody` and the :class:`~kvsp.container_reader.ContainerReader`. Measured side
+by side (``bench_blocks.py``, 2 MiB blocks, 4 in flight, 2-core machine shared with other
+jobs, the server on the same cores): ``"paired"`` 1.15-1.2 GB/s, 0.39-0.42 of a 2.8-3.0 GB/s
+bare-socket HTTP floor over five runs on a quiet machine (median 0.40, on asyncio's loop and
+on uvloop alike), ``"slices"`` 0.28-0.33; on a later day with a faster floor (3.3-3.8 GB/s)
+``"paired"`` moved 1.3-1.55 GB/s, 0.36-0.45 of it. The two passes cost 1.25-1.7 ms of CPU a
+block paired (the two streams keep the core's SHA unit about 95 % busy) against 2.3-3.0 ms
+with hashlib. That is the ceiling on two cores: the one hashing thread is busy for the whole
+run, a four-stream kernel (tried, not kept) hashed no faster per stream than the two-stream
+one, and neither a second hashing thread (at any nice level), nor hashing on the loop when the
+worker is busy, nor receiving and hashing each body in a worker thread of its own moved more
+(measured side by side; the hand-off back to the event loop per block cost what the cache
+saved). A block that fails any check is never handed out: the caller gets an exception, never
+the octets. Bodies land in buffers lent by a :class:`~kvsp.services.buffers.BufferPool`, used
+again once the block and every view of it are dropped.
 
 :meth:`BlockClient.fetch` walks a block's replicas in order and treats a 404, a broken or slow
 connection, a malformed body or a digest mismatch as "try the next one" (§6.1), returning

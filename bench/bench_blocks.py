@@ -21,6 +21,9 @@ server is ``kvsp serve holder`` (uvicorn with uvloop + httptools, in its own pro
     in one pass); the bodies land in the client's pooled buffers
     (:class:`~kvsp.services.buffers.BufferPool`), and the default placement runs once more
     with a fresh buffer per body ("fresh buffers") to show what the reuse saves.
+
+Each case also prints the client's CPU per block (this process, every thread, user + system),
+so that what verification costs shows beside what it moves; the server's is not counted.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import signal
 import socket
@@ -377,11 +381,16 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
     for _, fn in cases:
         fn()  # warm up: connections open, caches filled
     rates: list[list[float]] = [[] for _ in cases]
+    cpu = [0.0] * len(cases)  # this process's CPU (every thread), seconds per block moved
     for _ in range(reps):
-        for (_, fn), out in zip(cases, rates, strict=True):
+        for n, ((_, fn), out) in enumerate(zip(cases, rates, strict=True)):
+            before = os.times()
             start = time.perf_counter()
             moved = fn()
             out.append(moved / (time.perf_counter() - start) / 1e6)
+            after = os.times()
+            used = after.user + after.system - before.user - before.system
+            cpu[n] += used / (moved / size) / reps
 
     medians = {name: statistics.median(r) for (name, _), r in zip(cases, rates, strict=True)}
     print(f"block: {size} octets (2 MiB KVB1), {blocks} blocks per case, median of {reps} reps")
@@ -389,8 +398,9 @@ def run(  # noqa: C901, PLR0913 - one flat list of cases reads best
     print(f"server: {label} (uvicorn + uvloop + httptools), client loop: {kinds[0]}", end="")
     print(" (the (f) cases also on uvloop, marked)" if len(kinds) > 1 else "")
     width = max(len(name) for name, _ in cases)
-    for (name, _), r in zip(cases, rates, strict=True):
-        print(f"  {name:<{width}} {medians[name]:8.0f} MB/s   (min {min(r):.0f}, max {max(r):.0f})")
+    for (name, _), r, c in zip(cases, rates, cpu, strict=True):
+        line = f"{medians[name]:8.0f} MB/s   (min {min(r):5.0f}, max {max(r):5.0f})"
+        print(f"  {name:<{width}} {line}   client CPU {c * 1e3:.2f} ms/block")
     floor_a = medians[cases[0][0]]
     floor_b = medians[cases[1][0]]
     for name, value in medians.items():

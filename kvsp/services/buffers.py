@@ -42,7 +42,9 @@ class BufferPool:
         self.max_bytes = max_bytes
         self._idle: dict[int, list[np.ndarray]] = {}
         self._idle_bytes = 0
-        self._lock = threading.Lock()
+        # reentrant: a buffer in a reference cycle comes back from the garbage collector, which
+        # may run on this thread at any allocation, also while the lock is held
+        self._lock = threading.RLock()
         self.allocated = 0
         """Buffers made by :meth:`take` because none of that size was idle."""
         self.reused = 0
@@ -76,10 +78,11 @@ class BufferPool:
 
     def _give_back(self, backing: np.ndarray) -> None:
         size = backing.nbytes
+        fresh: list[np.ndarray] = []  # made before the lock: nothing under it allocates
         with self._lock:
             if self._idle_bytes + size > self.max_bytes:
                 return  # beyond the bound: let it be freed
-            self._idle.setdefault(size, []).append(backing)
+            self._idle.setdefault(size, fresh).append(backing)
             self._idle_bytes += size
 
     def clear(self) -> None:

@@ -121,6 +121,32 @@ def test_a_closed_pool_keeps_nothing() -> None:
     assert len(pool.take(SIZE)) == SIZE and pool.reused == 0
 
 
+def test_a_buffer_in_a_reference_cycle_comes_back_when_collected() -> None:
+    pool = BufferPool()
+    cycle: list[object] = [pool.take(SIZE)]
+    cycle.append(cycle)
+    del cycle
+    gc.collect()
+    assert pool.idle_bytes == SIZE
+
+
+def test_a_buffer_can_come_back_while_its_pool_is_locked_on_the_same_thread() -> None:
+    """The garbage collector can drop the last reference at any allocation, also inside the
+    pool's own locked section; that must not deadlock."""
+    pool = BufferPool()
+    lent = [pool.take(SIZE)]
+
+    def drop_under_the_lock() -> None:
+        with pool._lock:
+            lent.clear()
+
+    thread = threading.Thread(target=drop_under_the_lock, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "deadlock: the buffer came back under the held lock"
+    assert pool.idle_bytes == SIZE
+
+
 @pytest.mark.parametrize(("max_bytes", "size"), [(-1, 0), (0, -1)])
 def test_bad_arguments(max_bytes: int, size: int) -> None:
     with pytest.raises(ValueError, match="must be >= 0"):

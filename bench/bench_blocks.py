@@ -5,7 +5,7 @@ Run: ``.venv/bin/python bench/bench_blocks.py [--reps N] [--blocks N] [--server 
 [--only REGEX] [--loop asyncio|uvloop|both]`` (``--only``: just the matching cases, with (a)
 and (b) always; ``--loop``: the client's event loop for (c)-(f); by default ``both`` where
 uvloop is installed, which runs the (f) cases once more on uvloop, the loop
-:mod:`kvsp.services.runner` gives every KVSP service, so the instances that fetch blocks). The
+:mod:`kvsp.web.runner` gives every KVSP service, so the instances that fetch blocks). The
 server is ``kvsp serve holder`` (uvicorn with uvloop + httptools, in its own process; or, with
 ``--server test``, the test holder ``tests/services/bulk_server_for_tests.py``) holding eight
 2 MiB KVB1 containers (16 tokens × 32 layers × 8 kv_heads × 128 head_dim × bf16), served with
@@ -13,13 +13,13 @@ server is ``kvsp serve holder`` (uvicorn with uvloop + httptools, in its own pro
 
 (a) a plain TCP stream of the same octets (the transport floor),
 (b) a bare blocking-socket HTTP/1.1 client of the server (the HTTP floor),
-(c) httpx, (d) aiohttp, (e) :class:`~kvsp.services.bulk.BulkClient`, without verification,
-(f) :meth:`~kvsp.services.block_client.BlockClient.get_block` with full §6.7 verification
+(c) httpx, (d) aiohttp, (e) :class:`~kvsp.transfer.bulk.BulkClient`, without verification,
+(f) :meth:`~kvsp.transfer.block_client.BlockClient.get_block` with full §6.7 verification
     (Repr-Digest + layer digests + replica digest), 1 and 4 in flight, for each placement of
     the hashing passes (``slices`` hashes slices of the received buffer; ``paired``, the
     default where :mod:`kvsp.sha256x2` is built, does so with both SHA-256 streams interleaved
     in one pass); the bodies land in the client's pooled buffers
-    (:class:`~kvsp.services.buffers.BufferPool`), and the default placement runs once more
+    (:class:`~kvsp.transfer.buffers.BufferPool`), and the default placement runs once more
     with a fresh buffer per body ("fresh buffers") to show what the reuse saves.
 
 Each case also prints the client's CPU per block (this process, every thread, user + system),
@@ -53,11 +53,11 @@ from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.container import Geometry, decode_container, replica_digest
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.block_client import BlockClient, Hashing
-from kvsp.services.buffers import BufferPool
-from kvsp.services.bulk import BulkClient, BytesBody
-from kvsp.services.testing import RunningService, start_process
+from kvsp.transfer.block_client import BlockClient, Hashing
+from kvsp.transfer.buffers import BufferPool
+from kvsp.transfer.bulk import BulkClient, BytesBody
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "tests" / "services" / "bulk_server_for_tests.py"

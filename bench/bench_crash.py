@@ -44,8 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvsp.services.block_client import BlockClient  # noqa: E402
-from kvsp.services.moqt_transport import (  # noqa: E402
+from kvsp.transfer.block_client import BlockClient  # noqa: E402
+from kvsp.transfer.moqt_client import (  # noqa: E402
     MemoryBlocks,
     MoqtBlockClient,
     StoredBlock,

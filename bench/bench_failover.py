@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from kvsp.compat import compat_id
+from kvsp.engine.toy import toy_descriptor
 from kvsp.keys import scope_id
-from kvsp.services.auth import principal_entry, write_principals
 from kvsp.services.frontend import FrontEnd, FrontendConfig
-from kvsp.services.testing import RunningService, start_process
-from kvsp.services.toy_engine import toy_descriptor
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=16, kv_dtype="fp16", block_tokens=8)
 COMPAT = compat_id(DESCRIPTOR)

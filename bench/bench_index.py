@@ -14,7 +14,7 @@ records published with ``publish_batch``; a full lookup builds the records with 
 TTL (``lookup``) or renders the answer's JSON as the server does (``find`` + JSON).
 (b) HTTP on loopback against a real ``kvsp serve index`` process, loaded honestly through
 ``POST replicas`` in batches of ``--batch`` records; lookups through
-:class:`~kvsp.services.index_client.IndexClient` (the answer decoded and checked as records) and
+:class:`~kvsp.services.index.client.IndexClient` (the answer decoded and checked as records) and
 as raw bytes (server + transfer only). The load runs in two threads while (a) builds, since the
 server's decoding on the other core is the long pole.
 (c) Redis (issue 8), once (a) and (b) are done: a ``redis-server`` of its own (or
@@ -57,12 +57,12 @@ from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.index import IndexService
 from kvsp.records import InstanceStatusRecord, Link, LookupRequest, ReplicaRecord, Residency, dumps
 from kvsp.registries import InstanceState, Tier
-from kvsp.services.auth import Principal, principal_entry, write_principals
-from kvsp.services.index_app import PrincipalCaller
-from kvsp.services.index_client import IndexClient
-from kvsp.services.testing import start_process
+from kvsp.services.index.app import PrincipalCaller
+from kvsp.services.index.client import IndexClient
 from kvsp.stores.base import holder_id_of
 from kvsp.stores.memory import MemoryStore
+from kvsp.web.auth import Principal, principal_entry, write_principals
+from kvsp.web.testing import start_process
 
 if TYPE_CHECKING:
     from kvsp.stores.redis import RedisStore

@@ -41,9 +41,9 @@ from typing import Any
 
 from kvsp.ids import uri_id
 from kvsp.records import kv_namespace_fields
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.bulk import BulkClient
-from kvsp.services.testing import RunningService, start_process
+from kvsp.transfer.bulk import BulkClient
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 from moqt.asyncio import MOQTConnection, connect
 from moqt.backend import get_backend
 from moqt.session_events import SubscribeReceived
@@ -172,7 +172,7 @@ class Answer:
 
 
 class JsonClient:
-    """JSON requests over :class:`~kvsp.services.bulk.BulkClient`, the project's HTTP/1.1
+    """JSON requests over :class:`~kvsp.transfer.bulk.BulkClient`, the project's HTTP/1.1
     client (httpx spends more CPU per request than the IS does: DESIGN.md §7), timed."""
 
     def __init__(self, bulk: BulkClient, base_url: str, token: str, result: LoadResult) -> None:

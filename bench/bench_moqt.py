@@ -23,9 +23,9 @@ moves, the baseline of the "vs aioquic dflt" column.
 
 A second table puts the same 2 MiB block on every path side by side: a plain TCP stream
 (blocking sockets, the transport ceiling); HTTP GET from ``kvsp serve holder`` with
-:class:`~kvsp.services.block_client.BlockClient` (the chosen bulk client, verifying
+:class:`~kvsp.transfer.block_client.BlockClient` (the chosen bulk client, verifying
 Repr-Digest and layer digests as §6.7 asks); MOQT FETCH with
-:class:`~kvsp.services.moqt_transport.MoqtBlockClient` (verifying every layer) straight from a
+:class:`~kvsp.transfer.moqt_client.MoqtBlockClient` (verifying every layer) straight from a
 publisher; and, when ``relay.app`` exists, publisher → relay → subscriber: FETCH forwarded
 upstream (a cache miss per block), FETCH served from the relay's cache, and a live track fanned
 out by the relay to 8 subscribers.
@@ -589,9 +589,9 @@ def measure_http(seconds: float) -> float:
     import httpx
 
     from kvsp.compat import CompatibilityDescriptor, compat_id
-    from kvsp.services.auth import principal_entry, write_principals
-    from kvsp.services.block_client import BlockClient
-    from kvsp.services.testing import start_process
+    from kvsp.transfer.block_client import BlockClient
+    from kvsp.web.auth import principal_entry, write_principals
+    from kvsp.web.testing import start_process
 
     descriptor = CompatibilityDescriptor(
         model="bench",
@@ -636,7 +636,7 @@ def measure_http(seconds: float) -> float:
 
 def publisher_main(backend: str, cert: str, key: str, pipe: Connection) -> None:
     """A MOQT server publishing the block (serve_blocks) for direct FETCH."""
-    from kvsp.services.moqt_transport import MemoryBlocks, StoredBlock, serve_blocks
+    from kvsp.transfer.moqt_client import MemoryBlocks, StoredBlock, serve_blocks
 
     async def main() -> None:
         blocks = MemoryBlocks()
@@ -662,7 +662,7 @@ def publisher_main(backend: str, cert: str, key: str, pipe: Connection) -> None:
 
 
 def moqt_client(backend: str, **options: Any) -> Any:
-    from kvsp.services.moqt_transport import MoqtBlockClient
+    from kvsp.transfer.moqt_client import MoqtBlockClient
 
     transport = transport_for(LARGEST[backend])
     return MoqtBlockClient(backend=backend, transport=transport, timeout=30, **options)
@@ -699,7 +699,7 @@ RELAY_BLOCKS = 64  # distinct blocks, so that each forwarded FETCH misses the re
 def relay_publisher_main(backend: str, relay_url: str, pipe: Connection) -> None:
     """An instance's session to the relay: its scope announced, RELAY_BLOCKS stored blocks,
     and live tracks produced on command ("open N" then "go N")."""
-    from kvsp.services.moqt_transport import (
+    from kvsp.transfer.moqt_client import (
         MemoryBlocks,
         MoqtBlockPublisher,
         StoredBlock,
@@ -797,7 +797,7 @@ async def _relay_rows(
 
 async def _fanout(backend: str, url: str, pipe: Connection) -> tuple[str, float, str]:
     """FANOUT subscribers of one live track through the relay, rounds of one block each."""
-    from kvsp.services.moqt_transport import MoqtBlockClient
+    from kvsp.transfer.moqt_client import MoqtBlockClient
 
     loop = asyncio.get_running_loop()
     clients = [moqt_client(backend, verify=False) for _ in range(FANOUT)]

@@ -38,6 +38,7 @@ from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.index import IndexService
 from kvsp.lifecycle import InstanceRegistry, SleepPolicy
 from kvsp.placement import choose_instance
+from kvsp.placement_plan import build_directive
 from kvsp.records import (
     InstanceStatusRecord,
     Link,
@@ -48,12 +49,11 @@ from kvsp.records import (
     Residency,
 )
 from kvsp.registries import InstanceState, Tier
-from kvsp.services.clock import ManualClock
 from kvsp.services.control import LocalIndex
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.pc import PCConfig, PlacementController
-from kvsp.services.pc_plan import build_directive
+from kvsp.services.pc.service import PCConfig, PlacementController
 from kvsp.stores.memory import MemoryStore
+from kvsp.web.clock import ManualClock
 
 SCOPE = ScopeId(bytes(range(16)))
 LAYERS = 32

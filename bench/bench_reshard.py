@@ -35,9 +35,9 @@ import httpx
 
 from kvsp.container import Geometry
 from kvsp.engine.shards import container_parts, seeded_kv, token_bytes
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.testing import RunningService, start_process
-from kvsp.services.toy_engine import toy_descriptor
+from kvsp.engine.toy import toy_descriptor
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 TOKEN = "bench-reshard-admin-token-0123456789abcdef"
 MAP = "bench"

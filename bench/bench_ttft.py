@@ -57,12 +57,12 @@ from kvsp.engine.engine import Engine, ExportedBlock  # noqa: E402
 from kvsp.engine.sink import DeviceSink  # noqa: E402
 from kvsp.ids import BlockKey, ScopeId  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
-from kvsp.services.auth import principal_entry, write_principals  # noqa: E402
-from kvsp.services.block_client import BlockClient  # noqa: E402
-from kvsp.services.moqt_publisher import MemoryBlocks, StoredBlock  # noqa: E402
-from kvsp.services.moqt_transport import MoqtBlockClient, parse_moqt_uri  # noqa: E402
-from kvsp.services.relay_link import RelayLink, RelayLinkConfig  # noqa: E402
-from kvsp.services.testing import RunningService, start_process  # noqa: E402
+from kvsp.transfer.block_client import BlockClient  # noqa: E402
+from kvsp.transfer.moqt_client import MoqtBlockClient, parse_moqt_uri  # noqa: E402
+from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock  # noqa: E402
+from kvsp.transfer.relay_link import RelayLink, RelayLinkConfig  # noqa: E402
+from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
+from kvsp.web.testing import RunningService, start_process  # noqa: E402
 from moqt.asyncio import RequestRejected, connect  # noqa: E402
 from moqt.backend import available_backends, get_backend  # noqa: E402
 from moqt.namespace import kv_namespace  # noqa: E402

@@ -146,7 +146,7 @@ def _existing_entries(path: Path) -> list[dict[str, Any]]:
     import datetime
     import tomllib
 
-    from kvsp.services.auth import Principals
+    from kvsp.web.auth import Principals
 
     if not path.exists():
         return []
@@ -163,7 +163,7 @@ def _existing_entries(path: Path) -> list[dict[str, Any]]:
 
 def _cmd_token(args: argparse.Namespace) -> int:
     from kvsp.ids import parse_scope_id
-    from kvsp.services.auth import mint_token, principal_entry, write_principals
+    from kvsp.web.auth import mint_token, principal_entry, write_principals
 
     scopes = None if args.scope == ["*"] else [parse_scope_id(s, "--scope") for s in args.scope]
     entries = [e for e in _existing_entries(args.principals) if e.get("name") != args.name]
@@ -189,11 +189,11 @@ def _cmd_help(parser: argparse.ArgumentParser) -> Handler:
 
 SERVICES: dict[str, tuple[str, str, int]] = {
     # name: (module, help, default port)
-    "index": ("kvsp.services.index_app", "the Index Service (§6.1-6.2)", 8470),
+    "index": ("kvsp.services.index.app", "the Index Service (§6.1-6.2)", 8470),
     "control": ("kvsp.services.control", "the control plane: IS and PC in one process", 8470),
-    "pc": ("kvsp.services.pc_app", "the Placement Controller alone (§6.3-6.5)", 8472),
-    "holder": ("kvsp.services.holder_app", "a block holder (§6.6-6.7)", 8471),
-    "instance": ("kvsp.services.instance_app", "an inference instance agent (§6.3, §6.5)", 8473),
+    "pc": ("kvsp.services.pc.app", "the Placement Controller alone (§6.3-6.5)", 8472),
+    "holder": ("kvsp.services.holder.app", "a block holder (§6.6-6.7)", 8471),
+    "instance": ("kvsp.services.instance.app", "an inference instance agent (§6.3, §6.5)", 8473),
     "relay": ("relay.app", "a caching MOQT relay that is also a KVSP holder (§4.4, §6.6)", 4443),
 }
 
@@ -206,7 +206,7 @@ def _add_serve_commands(sub: Any, load: bool) -> None:
     so the core commands start without importing the HTTP stack."""
     import importlib
 
-    from kvsp.services.cliargs import add_common_arguments, with_logging
+    from kvsp.web.cliargs import add_common_arguments, with_logging
 
     serve = sub.add_parser("serve", help="run a KVSP service (kvsp serve -h lists them)")
     if not load:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvsp.errors import Unauthorized
-from kvsp.services.auth import Principal, Principals, has_role, may_use_scope
+from kvsp.web.auth import Principal, Principals, has_role, may_use_scope
 from moqt.messages import AuthToken, TokenAliasType
 from moqt.wire import TrackNamespace
 

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvsp.services.auth import Principal
+from kvsp.web.auth import Principal
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import AuthToken, SubscribeOptions
 from moqt.session_events import (

@@ -40,11 +40,11 @@ from cryptography import x509
 
 from kvsp.errors import BadRequest, KVSPError
 from kvsp.leases import LeaseQuota
-from kvsp.services.auth import Principals
-from kvsp.services.cliargs import add_common_arguments, load_principals, parse_listen
-from kvsp.services.clock import SystemClock
-from kvsp.services.holder_app import parse_size
-from kvsp.services.runner import write_ready_file
+from kvsp.services.holder.app import parse_size
+from kvsp.web.auth import Principals
+from kvsp.web.cliargs import add_common_arguments, load_principals, parse_listen
+from kvsp.web.clock import SystemClock
+from kvsp.web.runner import write_ready_file
 from moqt.backend import BACKENDS
 from moqt.certs import make_self_signed
 
@@ -244,7 +244,7 @@ async def _serve(
     token: str | None,
     http_address: tuple[str, int],
 ) -> None:
-    from kvsp.services.index_client import IndexClient
+    from kvsp.services.index.client import IndexClient
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

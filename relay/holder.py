@@ -26,8 +26,8 @@ from kvsp.errors import KVSPError, NotFound
 from kvsp.ids import BlockKey
 from kvsp.leases import LeaseQuota, LeaseTable
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord
-from kvsp.services.auth import Principal, require_scope
-from kvsp.services.clock import Clock
+from kvsp.web.auth import Principal, require_scope
+from kvsp.web.clock import Clock
 
 from .cache import TrackKey
 from .kv import KVReplica, replica_record
@@ -38,7 +38,7 @@ RETRY_MS = 1000
 
 
 class ReplicaIndex(Protocol):
-    """The part of :class:`~kvsp.services.index_client.IndexClient` the holder uses."""
+    """The part of :class:`~kvsp.services.index.client.IndexClient` the holder uses."""
 
     async def publish(self, record: ReplicaRecord, /) -> int:
         """PUT a record; the granted TTL."""

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from kvsp.services.auth import Principal
+from kvsp.web.auth import Principal
 from moqt.asyncio import MOQTConnection
 from moqt.messages import SubscribeOptions
 from moqt.session_state import LocalProtocolError

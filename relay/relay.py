@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from kvsp.errors import Unauthorized
-from kvsp.services.auth import Principal, Principals
-from kvsp.services.clock import Clock, SystemClock
+from kvsp.web.auth import Principal, Principals
+from kvsp.web.clock import Clock, SystemClock
 from moqt.asyncio import MOQTConnection, MOQTServer, serve
 from moqt.backend import TransportConfig, get_backend
 from moqt.errors import RequestErrorCode, SessionError

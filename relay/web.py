@@ -1,13 +1,13 @@
 """The relay's HTTP holder face: leases on relay-held replicas (spec §6.6; DESIGN.md §3, §4).
 
 Records published by the relay name this face in their ``lease_base`` member. Routes, with the
-same JSON as the HTTP holder (:mod:`kvsp.services.holder_app`):
+same JSON as the HTTP holder (:mod:`kvsp.services.holder.app`):
 
 * ``POST leases`` ``{compat_id, scope_id, block_keys, ttl_ms}`` → 201 LeaseGrant,
   ``Location: leases/{id}``;
 * ``PUT leases/{id}`` ``{ttl_ms}`` → 200 LeaseGrant; ``DELETE leases/{id}`` → 204;
 * ``GET healthz`` (no token) → ``{"status": "ok"}``;
-* ``GET metrics`` (role ``metrics``; :mod:`kvsp.services.metrics`: leases, and the MOQT octets
+* ``GET metrics`` (role ``metrics``; :mod:`kvsp.web.metrics`: leases, and the MOQT octets
   of the relay named by ``app.state.relay``), ``GET openapi.json`` (no token).
 
 Errors are RFC 9457 problems. Every request but healthz needs ``Authorization: Bearer``; in
@@ -30,11 +30,11 @@ from starlette.routing import Route
 
 from kvsp.errors import NotFound
 from kvsp.records import LeaseRenewal, LeaseRequest
-from kvsp.services.auth import Principal, Principals, principal_of
-from kvsp.services.clock import Clock
-from kvsp.services.http import install_operations, read_json
-from kvsp.services.problems import install_problem_handlers, kvsp_json
-from kvsp.services.runner import base_url, bind_socket
+from kvsp.web.auth import Principal, Principals, principal_of
+from kvsp.web.clock import Clock
+from kvsp.web.http import install_operations, read_json
+from kvsp.web.problems import install_problem_handlers, kvsp_json
+from kvsp.web.runner import base_url, bind_socket
 
 from .access import ANONYMOUS
 from .holder import RelayHolder

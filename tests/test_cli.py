@@ -161,7 +161,7 @@ SCOPE = "ab" * 16
 
 
 def test_token_mints_a_working_credential(tmp_path: Path, capsys: Any) -> None:
-    from kvsp.services.auth import Principals, may_publish_for, may_use_scope
+    from kvsp.web.auth import Principals, may_publish_for, may_use_scope
 
     path = tmp_path / "principals.toml"
     args = ["token", "--principals", str(path), "--name", "h1", "--role", "holder"]

@@ -26,6 +26,7 @@ from kvsp.compat import CompatibilityDescriptor
 from kvsp.container import ContainerLimits, Geometry, decode_container, encode_container
 from kvsp.container_reader import ContainerReader
 from kvsp.errors import KVSPError
+from kvsp.placement_plan import DirectiveOptions
 from kvsp.records import (
     DirectiveBlock,
     DirectiveStatus,
@@ -57,9 +58,8 @@ from kvsp.records import (
     loads,
     parse_reshard_message,
 )
-from kvsp.services.http import parse_json
-from kvsp.services.instance_app import GenerateRequest
-from kvsp.services.pc_plan import DirectiveOptions
+from kvsp.services.instance.app import GenerateRequest
+from kvsp.web.http import parse_json
 from moqt.errors import MOQTError
 from moqt.messages import (
     AuthToken,

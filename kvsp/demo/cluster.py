@@ -47,7 +47,7 @@ from kvsp.demo.state import Endpoints, StateFolder, default_state, write_private
 from kvsp.errors import KVSPError
 from kvsp.ids import CompatId, ScopeId
 from kvsp.keys import scope_id
-from kvsp.services.auth import mint_token, principal_entry, write_principals
+from kvsp.web.auth import mint_token, principal_entry, write_principals
 
 INSTANCE_NAMES = ("a", "b", "c", "d", "e", "f")
 RELAY_TLS = "relay-tls"
@@ -59,7 +59,7 @@ KVSP = (sys.executable, "-m", "kvsp")
 def instances_support_relay() -> bool:
     """Whether ``kvsp serve instance`` has ``--relay``: a MOQT session to its edge relay that
     mirrors its blocks there, and a client for ``moqt://`` replicas (DESIGN.md §4)."""
-    from kvsp.services.instance_app import configure_parser
+    from kvsp.services.instance.app import configure_parser
 
     parser = argparse.ArgumentParser()
     configure_parser(parser)

@@ -8,7 +8,7 @@ when its parent dies (``PR_SET_PDEATHSIG``), so even a SIGKILLed parent leaves n
 children are therefore started from the main thread only (the signal follows the thread that
 forked). SIGINT and SIGTERM are held back while a child is forked and recorded, so a Ctrl-C
 never leaves one unrecorded. A service says it is up by writing its ready file
-(:mod:`kvsp.services.runner`).
+(:mod:`kvsp.web.runner`).
 """
 
 from __future__ import annotations

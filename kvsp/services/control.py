@@ -23,12 +23,8 @@ from kvsp.compat import CompatibilityDescriptor
 from kvsp.index import Caller, DescriptorSource, IndexService
 from kvsp.lifecycle import InstanceRegistry, SleepPolicy
 from kvsp.records import InstanceStatusRecord, LookupRequest, ReplicaRecord
-from kvsp.services.auth import Principals
-from kvsp.services.cliargs import load_principals, serve_config
-from kvsp.services.clock import Clock, SystemClock
 from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes
-from kvsp.services.http import install_operations
-from kvsp.services.index_app import (
+from kvsp.services.index.app import (
     IndexConfig,
     Lifespan,
     index_config,
@@ -36,9 +32,8 @@ from kvsp.services.index_app import (
     index_routes,
     open_store,
 )
-from kvsp.services.index_app import configure_parser as configure_index_parser
-from kvsp.services.pc import InstancePeers, PCConfig, PlacementController, ScaleUpHook
-from kvsp.services.pc_app import (
+from kvsp.services.index.app import configure_parser as configure_index_parser
+from kvsp.services.pc.app import (
     HttpInstancePeers,
     add_pc_arguments,
     closing,
@@ -49,11 +44,16 @@ from kvsp.services.pc_app import (
     pc_routes,
     scale_up_hook,
 )
-from kvsp.services.pc_reshard import coordinator_for, reshard_routes
-from kvsp.services.problems import install_problem_handlers
-from kvsp.services.runner import serve
+from kvsp.services.pc.reshard import coordinator_for, reshard_routes
+from kvsp.services.pc.service import InstancePeers, PCConfig, PlacementController, ScaleUpHook
 from kvsp.stores.base import ReplicaStore
 from kvsp.stores.sessions import SessionStore
+from kvsp.web.auth import Principals
+from kvsp.web.cliargs import load_principals, serve_config
+from kvsp.web.clock import Clock, SystemClock
+from kvsp.web.http import install_operations
+from kvsp.web.problems import install_problem_handlers
+from kvsp.web.runner import serve
 
 STATUS_PATH = "/instances/{instance_id}/status"
 _record = operator.itemgetter(0)  # (record, expires_ms) -> record
@@ -79,7 +79,7 @@ class _ControllerCaller:
 
 
 class LocalIndex:
-    """:class:`~kvsp.services.pc.IndexAccess` over an in-process
+    """:class:`~kvsp.services.pc.service.IndexAccess` over an in-process
     :class:`~kvsp.index.IndexService`: status records go straight into its store."""
 
     __slots__ = ("_caller", "_descriptors", "_index")

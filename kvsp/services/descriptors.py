@@ -23,9 +23,9 @@ from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.errors import BadRequest, DescriptorError, NotFound, RecordError
 from kvsp.ids import CompatId, parse_compat_id
 from kvsp.records import dumps, loads
-from kvsp.services.auth import principal_of, require_role
-from kvsp.services.http import read_json
-from kvsp.services.problems import kvsp_json
+from kvsp.web.auth import principal_of, require_role
+from kvsp.web.http import read_json
+from kvsp.web.problems import kvsp_json
 
 DESCRIPTOR_BODY_LIMIT = 64 * 1024
 """Octets of a descriptor body: a descriptor is a few hundred octets plus its adapters."""

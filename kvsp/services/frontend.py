@@ -43,11 +43,11 @@ from kvsp.ids import CompatId, ScopeId, parse_compat_id, parse_scope_id
 from kvsp.keys import block_keys
 from kvsp.keys import scope_id as scope_id_of
 from kvsp.records import PlaceRequest
-from kvsp.services.client_base import TransportError, problem_error
 from kvsp.services.descriptors import read_descriptor_file
-from kvsp.services.index_client import IndexClient
-from kvsp.services.pc_client import PCClient, SessionView
-from kvsp.services.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
+from kvsp.services.index.client import IndexClient
+from kvsp.services.pc.client import PCClient, SessionView
+from kvsp.web.client import TransportError, problem_error
+from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
 
 NDJSON = "application/x-ndjson"
 

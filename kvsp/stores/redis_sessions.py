@@ -3,7 +3,7 @@ scale-out path"): any number of PC processes share sessions through one Redis.
 
 :class:`RedisSessionStore` answers exactly as
 :class:`~kvsp.stores.sessions.MemorySessionStore`: the rules are the same functions of
-:mod:`kvsp.checkpoint`, applied to the stored record, and the result is written by one Lua
+:mod:`kvsp.sessions`, applied to the stored record, and the result is written by one Lua
 script that is a compare-and-set on the record read (the stored JSON, octet for octet). When
 another writer changed the record in between, the script writes nothing and the call reads
 again and re-applies the rule, so every write is one atomic step taken on the record it was
@@ -38,7 +38,9 @@ import redis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from kvsp.checkpoint import (
+from kvsp.errors import Conflict, NotFound
+from kvsp.records_session import SessionCheckpoint
+from kvsp.sessions import (
     FINAL,
     SessionRecord,
     SessionState,
@@ -46,8 +48,6 @@ from kvsp.checkpoint import (
     advance_epoch,
     settle,
 )
-from kvsp.errors import Conflict, NotFound
-from kvsp.records_session import SessionCheckpoint
 from kvsp.stores.base import StoreUnavailable, holder_id_of
 from kvsp.stores.redis import DEFAULT_PREFIX, parse_store_url
 from kvsp.stores.sessions import LIVE
@@ -257,7 +257,7 @@ class RedisSessionStore:
         return None if raw is None else _decode(raw)
 
     async def put_checkpoint(self, checkpoint: SessionCheckpoint, now_ms: int) -> SessionRecord:
-        """Apply :func:`~kvsp.checkpoint.accept_checkpoint` atomically.
+        """Apply :func:`~kvsp.sessions.accept_checkpoint` atomically.
 
         Raises:
             NotFound: no such session. StaleEpoch, Conflict, Forbidden: as the rule.

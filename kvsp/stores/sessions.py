@@ -1,7 +1,7 @@
 """The PC's session state (spec §6.8; DESIGN.md §1: the PC's durable state lives in the store
 abstraction, memory or Redis).
 
-:class:`SessionStore` is deliberately narrow and every rule of :mod:`kvsp.checkpoint` is applied
+:class:`SessionStore` is deliberately narrow and every rule of :mod:`kvsp.sessions` is applied
 inside one call, so that a Redis store can run each call as one atomic script: a checkpoint is
 checked against the session's epoch and instance and kept (or not) in the same step that reads
 them, and a failover's epoch bump is a compare-and-set on the epoch it expects. Racing
@@ -18,7 +18,9 @@ from __future__ import annotations
 import uuid
 from typing import Protocol
 
-from kvsp.checkpoint import (
+from kvsp.errors import Conflict, NotFound
+from kvsp.records_session import SessionCheckpoint
+from kvsp.sessions import (
     FINAL,
     SessionRecord,
     SessionState,
@@ -26,8 +28,6 @@ from kvsp.checkpoint import (
     advance_epoch,
     settle,
 )
-from kvsp.errors import Conflict, NotFound
-from kvsp.records_session import SessionCheckpoint
 
 LIVE = frozenset({SessionState.SERVING, SessionState.RESUMING})
 
@@ -48,11 +48,11 @@ class SessionStore(Protocol):
         ...
 
     async def put_checkpoint(self, checkpoint: SessionCheckpoint, now_ms: int) -> SessionRecord:
-        """Apply :func:`~kvsp.checkpoint.accept_checkpoint` and return the record after it.
+        """Apply :func:`~kvsp.sessions.accept_checkpoint` and return the record after it.
 
         Raises:
             NotFound: no such session.
-            StaleEpoch, Conflict, Forbidden: as :func:`~kvsp.checkpoint.accept_checkpoint`.
+            StaleEpoch, Conflict, Forbidden: as :func:`~kvsp.sessions.accept_checkpoint`.
         """
         ...
 
@@ -76,7 +76,7 @@ class SessionStore(Protocol):
         now_ms: int,
         detail: str | None = None,
     ) -> SessionRecord:
-        """Set the state if the session is still at ``epoch`` (:func:`~kvsp.checkpoint.settle`).
+        """Set the state if the session is still at ``epoch`` (:func:`~kvsp.sessions.settle`).
 
         Raises:
             NotFound: no such session. StaleEpoch, IllegalTransition: as ``settle``.
@@ -143,7 +143,7 @@ class MemorySessionStore:
         return self._records.get(session)
 
     async def put_checkpoint(self, checkpoint: SessionCheckpoint, now_ms: int) -> SessionRecord:
-        """Apply :func:`~kvsp.checkpoint.accept_checkpoint`.
+        """Apply :func:`~kvsp.sessions.accept_checkpoint`.
 
         Raises:
             NotFound: no such session. StaleEpoch, Conflict, Forbidden: as the rule.

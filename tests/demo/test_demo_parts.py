@@ -27,12 +27,12 @@ from kvsp.demo.procs import ClusterError, ProcessGroup
 from kvsp.demo.scenario import BackgroundGeneration
 from kvsp.demo.summary import Figures, print_report
 from kvsp.records import ReplicaRecord
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.clock import ManualClock
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.index_app import IndexConfig, create_index_app
-from kvsp.services.testing import InProcessClient
+from kvsp.services.index.app import IndexConfig, create_index_app
 from kvsp.stores.memory import MemoryStore
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.clock import ManualClock
+from kvsp.web.testing import InProcessClient
 
 NOW = 1_800_000_000_000
 PROC = Path("/proc/self/cmdline").exists()

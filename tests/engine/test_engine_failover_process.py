@@ -26,12 +26,12 @@ pytest.importorskip("torch", reason="the reference engine needs the torch extra"
 pytest.importorskip("safetensors", reason="the reference engine needs the engine extra")
 
 from kvsp.compat import compat_id  # noqa: E402
+from kvsp.engine.api import GREEDY, Sampling  # noqa: E402
 from kvsp.engine.checkpoint import descriptor_for, init_model  # noqa: E402
+from kvsp.engine.reference import TorchEngine  # noqa: E402
 from kvsp.keys import scope_id  # noqa: E402
-from kvsp.services.auth import principal_entry, write_principals  # noqa: E402
-from kvsp.services.engine_api import GREEDY, Sampling  # noqa: E402
 from kvsp.services.frontend import FrontEnd, FrontendConfig  # noqa: E402
-from kvsp.services.torch_engine import TorchEngine  # noqa: E402
+from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -32,8 +32,8 @@ from kvsp.engine.checkpoint import descriptor_for, init_model  # noqa: E402
 from kvsp.engine.engine import Engine  # noqa: E402
 from kvsp.engine.sampler import Sampler  # noqa: E402
 from kvsp.keys import block_keys, scope_id  # noqa: E402
-from kvsp.services.auth import principal_entry, write_principals  # noqa: E402
-from kvsp.services.testing import RunningService, start_process  # noqa: E402
+from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
+from kvsp.web.testing import RunningService, start_process  # noqa: E402
 
 T = TypeVar("T")
 B = 8

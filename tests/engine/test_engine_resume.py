@@ -19,13 +19,13 @@ import pytest
 pytest.importorskip("torch", reason="the reference engine needs the torch extra")
 pytest.importorskip("safetensors", reason="the reference engine needs the engine extra")
 
-from kvsp.checkpoint import plan_resume  # noqa: E402
 from kvsp.container import Geometry, decode_container  # noqa: E402
+from kvsp.engine.api import GREEDY, Sampling  # noqa: E402
 from kvsp.engine.checkpoint import init_model  # noqa: E402
+from kvsp.engine.reference import TorchEngine  # noqa: E402
 from kvsp.errors import BadRequest, LayersUnavailable  # noqa: E402
 from kvsp.records import Sampler, SessionCheckpoint  # noqa: E402
-from kvsp.services.engine_api import GREEDY, Sampling  # noqa: E402
-from kvsp.services.torch_engine import TorchEngine  # noqa: E402
+from kvsp.sessions import plan_resume  # noqa: E402
 
 T = TypeVar("T")
 B = 8

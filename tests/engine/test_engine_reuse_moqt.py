@@ -43,11 +43,11 @@ from kvsp.engine.sink import DeviceSink  # noqa: E402
 from kvsp.ids import BlockKey, ScopeId  # noqa: E402
 from kvsp.keys import block_keys, scope_id  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
-from kvsp.services.auth import principal_entry, write_principals  # noqa: E402
-from kvsp.services.moqt_publisher import MemoryBlocks, StoredBlock  # noqa: E402
-from kvsp.services.moqt_transport import MoqtBlockClient  # noqa: E402
-from kvsp.services.relay_link import RelayLink, RelayLinkConfig  # noqa: E402
-from kvsp.services.testing import RunningService, start_process  # noqa: E402
+from kvsp.transfer.moqt_client import MoqtBlockClient  # noqa: E402
+from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock  # noqa: E402
+from kvsp.transfer.relay_link import RelayLink, RelayLinkConfig  # noqa: E402
+from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
+from kvsp.web.testing import RunningService, start_process  # noqa: E402
 from moqt.certs import make_self_signed  # noqa: E402
 from relay.kv import replica_record  # noqa: E402
 from relay.relay import Relay, RelayConfig  # noqa: E402

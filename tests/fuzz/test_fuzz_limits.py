@@ -27,12 +27,12 @@ from kvsp.container import (
 from kvsp.container_reader import ContainerReader
 from kvsp.errors import BadRequest, ContainerError, KVSPError, PayloadTooLarge, RecordError
 from kvsp.records import loads
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.clock import ManualClock
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.http import parse_json
-from kvsp.services.index_app import IndexConfig, create_index_app
+from kvsp.services.index.app import IndexConfig, create_index_app
 from kvsp.stores.memory import MemoryStore
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.clock import ManualClock
+from kvsp.web.http import parse_json
 from moqt.errors import MOQTError, ProtocolViolation
 from moqt.messages import ControlMessageParser
 from moqt.objects import DataStreamParser, ObjectChunk, SubgroupHeader

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvsp.errors import BadRequest, KVSPError, RecordError
 from kvsp.records import Sampler, SessionCheckpoint, loads
-from kvsp.services.http import parse_json
+from kvsp.web.http import parse_json
 
 SEEDS = targets.record_seeds()
 DOCUMENTS = targets.record_documents()

@@ -23,7 +23,7 @@ import pytest
 from kvsp.container import Geometry, encode_container, replica_digest
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord, encode_moqt_namespace
-from kvsp.services.moqt_transport import (
+from kvsp.transfer.moqt_client import (
     LiveTracks,
     MemoryBlocks,
     MoqtBlockClient,

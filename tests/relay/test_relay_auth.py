@@ -19,7 +19,7 @@ from relay_testkit import (
     running_relay,
 )
 
-from kvsp.services.auth import Principals, principal_entry
+from kvsp.web.auth import Principals, principal_entry
 from moqt.asyncio import RequestRejected, SessionClosedError
 from moqt.certs import make_self_signed
 from moqt.errors import RequestErrorCode, SessionError

@@ -11,7 +11,7 @@ import pytest
 from relay_testkit import SCOPE_A, SCOPE_B, make_block, max_cache
 
 from kvsp.errors import Unauthorized
-from kvsp.services.auth import Principal, Principals, principal_entry
+from kvsp.web.auth import Principal, Principals, principal_entry
 from moqt.errors import ObjectStatus
 from moqt.messages import AuthToken, TokenAliasType
 from moqt.messages_params import FilterType, SubscriptionFilter

@@ -32,10 +32,10 @@ from kvsp.container import header_size
 from kvsp.ids import BlockKey, ScopeId
 from kvsp.records import LookupRequest, ReplicaRecord, decode_moqt_namespace
 from kvsp.registries import Tier
-from kvsp.services.auth import Principals, principal_entry, write_principals
-from kvsp.services.clock import SystemClock
-from kvsp.services.index_client import IndexClient
-from kvsp.services.testing import RunningService, start_process
+from kvsp.services.index.client import IndexClient
+from kvsp.web.auth import Principals, principal_entry, write_principals
+from kvsp.web.clock import SystemClock
+from kvsp.web.testing import RunningService, start_process
 from moqt.certs import make_self_signed
 from relay.holder import HolderConfig, RelayHolder
 from relay.relay import Relay

@@ -27,16 +27,16 @@ import pytest
 
 from kvsp.compat import compat_id
 from kvsp.container import Geometry, decode_container
+from kvsp.engine.toy import toy_descriptor
 from kvsp.errors import Forbidden
 from kvsp.ids import ScopeId
 from kvsp.keys import block_keys, scope_id
 from kvsp.records import LeaseRequest, LookupRequest, ReplicaRecord, decode_moqt_namespace
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.block_client import BlockClient
-from kvsp.services.index_client import IndexClient
-from kvsp.services.moqt_transport import MoqtBlockClient
-from kvsp.services.testing import RunningService, start_process
-from kvsp.services.toy_engine import toy_descriptor
+from kvsp.services.index.client import IndexClient
+from kvsp.transfer.block_client import BlockClient
+from kvsp.transfer.moqt_client import MoqtBlockClient
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 pytestmark = pytest.mark.timeout(120)
 T = TypeVar("T")

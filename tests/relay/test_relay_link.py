@@ -1,5 +1,5 @@
 """An instance's link to its relay, in process over real UDP (DESIGN.md §4;
-:mod:`kvsp.services.relay_link`).
+:mod:`kvsp.transfer.relay_link`).
 
 Pushed blocks are PUBLISHed into the relay, cached there and recognised as complete replicas;
 a block the relay already holds is not sent again; the announced scope prefix routes the
@@ -21,8 +21,8 @@ from kvsp.container import Geometry, encode_container, replica_digest
 from kvsp.errors import KVSPError
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord
-from kvsp.services.moqt_publisher import MemoryBlocks, StoredBlock
-from kvsp.services.relay_link import MirroringIndex, RelayLink, RelayLinkConfig
+from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock
+from kvsp.transfer.relay_link import MirroringIndex, RelayLink, RelayLinkConfig
 from moqt.certs import make_self_signed
 
 pytestmark = pytest.mark.timeout(60)

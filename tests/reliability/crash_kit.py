@@ -33,12 +33,12 @@ from kvsp.container import (
     encode_container,
     replica_digest,
 )
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.keys import block_keys, scope_id
 from kvsp.records import ReplicaRecord
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.testing import RunningService, start_process
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 T = TypeVar("T")
 ADMIN_TOKEN = "reliability-admin-token-0123456789abcdef"

@@ -27,8 +27,8 @@ from typing import Literal
 from kvsp.container import Geometry, encode_container, replica_digest
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord, encode_moqt_namespace
-from kvsp.services.block_client import VerifiedBlock
-from kvsp.services.moqt_transport import (
+from kvsp.transfer.block_client import VerifiedBlock
+from kvsp.transfer.moqt_client import (
     MemoryBlocks,
     MoqtBlockClient,
     MoqtBlockPublisher,

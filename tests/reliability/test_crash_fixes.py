@@ -4,7 +4,7 @@ with real processes; these pin each fix down without timing):
 * a disk-tier block whose data file is gone while its sidecar is left is reported dropped on
   restart, so the holder withdraws the record it may have published before the crash;
 * httpcore's ``AttributeError`` when a peer dies right after accepting a connection leaves a
-  KVSP client as a :class:`~kvsp.services.client_base.TransportError`, not a crash (the holder
+  KVSP client as a :class:`~kvsp.web.client.TransportError`, not a crash (the holder
   answered 500 to a PUT when the Index Service died mid-publish);
 * the MOQT block client drops a pooled session that stopped answering, so that a holder
   restarted at the same address (which no longer knows the old QUIC connection) is reached at
@@ -26,10 +26,10 @@ from kvsp.container import Geometry, encode_container
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LookupRequest
 from kvsp.registries import Tier
-from kvsp.services.client_base import TransportError
-from kvsp.services.index_client import IndexClient
-from kvsp.services.moqt_transport import MemoryBlocks, MoqtBlockClient, StoredBlock, serve_blocks
+from kvsp.services.index.client import IndexClient
 from kvsp.stores.blocks import BlockRef, BlockStore, StoreConfig, describe_block
+from kvsp.transfer.moqt_client import MemoryBlocks, MoqtBlockClient, StoredBlock, serve_blocks
+from kvsp.web.client import TransportError
 from moqt.asyncio import MOQTServer
 from moqt.backend import get_backend
 from moqt.certs import make_self_signed

@@ -50,15 +50,15 @@ from crash_kit import (
 from kvsp.compat import compat_id
 from kvsp.errors import LeaseQuota, NotFound
 from kvsp.records import LeaseRequest, LookupRequest
-from kvsp.services.block_client import BlockClient, VerifiedBlock
-from kvsp.services.client_base import TransportError
-from kvsp.services.index_client import IndexClient
-from kvsp.services.moqt_transport import (
+from kvsp.services.index.client import IndexClient
+from kvsp.transfer.block_client import BlockClient, VerifiedBlock
+from kvsp.transfer.moqt_client import (
     MemoryBlocks,
     MoqtBlockClient,
     StoredBlock,
     UnifiedBlockClient,
 )
+from kvsp.web.client import TransportError
 from moqt.certs import make_self_signed
 
 T = TypeVar("T")

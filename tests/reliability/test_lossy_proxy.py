@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvsp.services.testing import start_process
+from kvsp.web.testing import start_process
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # interop/ is a folder of tools, not an installed package

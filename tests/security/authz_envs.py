@@ -19,6 +19,7 @@ import httpx
 
 from kvsp.compat import compat_id
 from kvsp.container import Geometry, encode_container, replica_digest
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.ids import uri_id
 from kvsp.index import IndexService
 from kvsp.keys import scope_id
@@ -32,20 +33,19 @@ from kvsp.records import (
     StateAnswer,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.block_client import BlockClient
-from kvsp.services.clock import ManualClock
 from kvsp.services.control import LocalIndex, create_control_app
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.holder import Holder, HolderConfig
-from kvsp.services.holder_app import create_holder_app
-from kvsp.services.index_app import IndexConfig, create_index_app
-from kvsp.services.instance import InstanceAgent, InstanceConfig
-from kvsp.services.instance_app import create_instance_app
-from kvsp.services.pc import PCConfig, PlacementController
-from kvsp.services.pc_app import create_pc_app
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
+from kvsp.services.holder.app import create_holder_app
+from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.services.index.app import IndexConfig, create_index_app
+from kvsp.services.instance.app import create_instance_app
+from kvsp.services.instance.service import InstanceAgent, InstanceConfig
+from kvsp.services.pc.app import create_pc_app
+from kvsp.services.pc.service import PCConfig, PlacementController
 from kvsp.stores.memory import MemoryStore
+from kvsp.transfer.block_client import BlockClient
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.clock import ManualClock
 from relay.holder import HolderConfig as RelayHolderConfig
 from relay.holder import RelayHolder
 from relay.kv import BlockTrack, KVReplica

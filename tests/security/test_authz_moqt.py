@@ -36,7 +36,7 @@ from relay_testkit import (  # noqa: E402
     running_relay,
 )
 
-from kvsp.services.auth import Principals, principal_entry  # noqa: E402
+from kvsp.web.auth import Principals, principal_entry  # noqa: E402
 from moqt.asyncio import RequestRejected, SessionClosedError  # noqa: E402
 from moqt.certs import make_self_signed  # noqa: E402
 from moqt.errors import RequestErrorCode, SessionError  # noqa: E402

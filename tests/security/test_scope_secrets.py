@@ -34,15 +34,15 @@ from authz_envs import (
 )
 
 from kvsp.errors import Unauthorized
-from kvsp.services import auth
-from kvsp.services.auth import (
+from kvsp.web import auth
+from kvsp.web.auth import (
     Principals,
     PrincipalsError,
     ensure_default_principals,
     principal_entry,
     write_principals,
 )
-from kvsp.services.testing import start_process
+from kvsp.web.testing import start_process
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,11 +15,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvsp.errors import NotFound
-from kvsp.services.auth import Principals, principal_of, require_role, require_scope
-from kvsp.services.clock import Clock, SystemClock
-from kvsp.services.http import parse_codec_param, parse_layers_param, read_body, read_json
-from kvsp.services.problems import install_problem_handlers, kvsp_json
-from kvsp.services.runner import ServeConfig, serve
+from kvsp.web.auth import Principals, principal_of, require_role, require_scope
+from kvsp.web.clock import Clock, SystemClock
+from kvsp.web.http import parse_codec_param, parse_layers_param, read_body, read_json
+from kvsp.web.problems import install_problem_handlers, kvsp_json
+from kvsp.web.runner import ServeConfig, serve
 
 BODY_LIMIT = 1000
 JSON_LIMIT = 4096

@@ -44,7 +44,7 @@ from kvsp.errors import (
     Unauthorized,
 )
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest
-from kvsp.services.http import (
+from kvsp.web.http import (
     parse_codec_param,
     parse_layers_param,
     parse_repr_digest,
@@ -52,8 +52,8 @@ from kvsp.services.http import (
     read_json,
     repr_digest,
 )
-from kvsp.services.problems import install_problem_handlers, kvsp_json
-from kvsp.services.runner import ServeConfig, serve
+from kvsp.web.problems import install_problem_handlers, kvsp_json
+from kvsp.web.runner import ServeConfig, serve
 
 TOKEN = "bulk-test-token-0123456789"
 GEOMETRY = Geometry(layers=8, kv_heads=2, head_dim=64, element_size=2)

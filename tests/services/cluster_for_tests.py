@@ -29,15 +29,15 @@ from typing import Any, TypeVar
 import httpx
 
 from kvsp.compat import compat_id
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.ids import BlockKey, uri_id
 from kvsp.keys import block_keys, scope_id
 from kvsp.placement import PlacementDecision, ServiceTimeEstimator, choose_instance
 from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord
 from kvsp.registries import InstanceState
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.pc import PCConfig
-from kvsp.services.testing import RunningService, start_process
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
+from kvsp.services.pc.service import PCConfig
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 PC_DEFAULTS = PCConfig()  # the control plane runs with the default assumed link
 

@@ -10,9 +10,9 @@ from types import ModuleType
 
 import pytest
 
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.clock import ManualClock
-from kvsp.services.testing import InProcessClient, RunningService, start_process
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.clock import ManualClock
+from kvsp.web.testing import InProcessClient, RunningService, start_process
 
 HERE = Path(__file__).resolve().parent
 APP_SCRIPT = HERE / "app_for_tests.py"

@@ -8,7 +8,7 @@ can kill one without the other:
   Status Record to the PC every ``ttl_ms / 3`` (§6.3), and writes the ready file after the
   first one is accepted.
 
-Both take ``--ready-file F`` (as :func:`kvsp.services.testing.start_process` passes it).
+Both take ``--ready-file F`` (as :func:`kvsp.web.testing.start_process` passes it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from starlette.routing import Route
 from kvsp.ids import uri_id
 from kvsp.records import InstanceStatusRecord, Link
 from kvsp.registries import InstanceState
-from kvsp.services.runner import ServeConfig, serve, write_ready_file
+from kvsp.web.runner import ServeConfig, serve, write_ready_file
 
 
 def _app(log: Path) -> Starlette:

@@ -2,7 +2,7 @@
 uvicorn process on 127.0.0.1 (for the metrics, logs and OpenAPI tests).
 
 Run as ``python operations_for_tests.py SERVICE --ready-file F`` it serves that app with
-:func:`kvsp.services.runner.serve` (JSON logs at ``--log-level``) until SIGTERM.
+:func:`kvsp.web.runner.serve` (JSON logs at ``--log-level``) until SIGTERM.
 
 Outbound calls never leave the process: the PC's directives go to :class:`RefusingPeers`, and
 the instance's control plane and index are :class:`MemoryControl`, which knows no replicas, so
@@ -20,6 +20,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.errors import KVSPError
 from kvsp.index import IndexService
 from kvsp.keys import scope_id
@@ -33,22 +34,21 @@ from kvsp.records import (
     StateAnswer,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.block_client import BlockClient
-from kvsp.services.clock import Clock, SystemClock
 from kvsp.services.control import LocalIndex, create_control_app
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.holder import Holder, HolderConfig
-from kvsp.services.holder_app import create_holder_app
-from kvsp.services.index_app import IndexConfig, create_index_app
-from kvsp.services.instance import InstanceAgent, InstanceConfig
-from kvsp.services.instance_app import create_instance_app
-from kvsp.services.logs import configure_logging
-from kvsp.services.pc import PCConfig, PlacementController
-from kvsp.services.pc_app import create_pc_app
-from kvsp.services.runner import ServeConfig, serve
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
+from kvsp.services.holder.app import create_holder_app
+from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.services.index.app import IndexConfig, create_index_app
+from kvsp.services.instance.app import create_instance_app
+from kvsp.services.instance.service import InstanceAgent, InstanceConfig
+from kvsp.services.pc.app import create_pc_app
+from kvsp.services.pc.service import PCConfig, PlacementController
 from kvsp.stores.memory import MemoryStore
+from kvsp.transfer.block_client import BlockClient
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.clock import Clock, SystemClock
+from kvsp.web.logs import configure_logging
+from kvsp.web.runner import ServeConfig, serve
 from relay.holder import HolderConfig as RelayHolderConfig
 from relay.holder import RelayHolder
 from relay.web import create_app as create_relay_app

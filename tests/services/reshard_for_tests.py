@@ -19,19 +19,19 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from kvsp.container import Geometry
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.clock import Clock, SystemClock
-from kvsp.services.instance_reshard import HttpRangeFetcher, ShardHolder
-from kvsp.services.instance_reshard import reshard_routes as instance_routes
-from kvsp.services.pc_reshard import (
+from kvsp.services.instance.reshard import HttpRangeFetcher, ShardHolder
+from kvsp.services.instance.reshard import reshard_routes as instance_routes
+from kvsp.services.pc.reshard import (
     HttpReshardPeers,
     ReshardConfig,
     ShardCoordinator,
 )
-from kvsp.services.pc_reshard import reshard_routes as pc_routes
-from kvsp.services.problems import install_problem_handlers
-from kvsp.services.runner import ServeConfig, serve
+from kvsp.services.pc.reshard import reshard_routes as pc_routes
 from kvsp.stores.shardmaps import MemoryShardMaps
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.clock import Clock, SystemClock
+from kvsp.web.problems import install_problem_handlers
+from kvsp.web.runner import ServeConfig, serve
 
 GEOMETRY = Geometry(layers=2, kv_heads=2, head_dim=16, element_size=2)
 CONTEXT = 65_536

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsp.errors import Forbidden, Unauthorized
-from kvsp.services.auth import (
+from kvsp.web.auth import (
     Principal,
     Principals,
     PrincipalsError,
@@ -28,8 +28,8 @@ from kvsp.services.auth import (
     token_sha256,
     write_principals,
 )
-from kvsp.services.clock import ManualClock, SystemClock
-from kvsp.services.testing import InProcessClient
+from kvsp.web.clock import ManualClock, SystemClock
+from kvsp.web.testing import InProcessClient
 
 SCOPE_A = bytes(16)
 SCOPE_B = bytes([1]) * 16

@@ -30,7 +30,7 @@ from kvsp.errors import (
 )
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LeaseRequest, ReplicaRecord
-from kvsp.services.block_client import (
+from kvsp.transfer.block_client import (
     DEFAULT_HASHING,
     BlockClient,
     FetchStats,
@@ -41,9 +41,9 @@ from kvsp.services.block_client import (
     block_base,
     lease_base,
 )
-from kvsp.services.bulk import BulkClient, ConnectionClosed, RequestTimeout
-from kvsp.services.client_base import TransportError
-from kvsp.services.testing import RunningService, start_process
+from kvsp.transfer.bulk import BulkClient, ConnectionClosed, RequestTimeout
+from kvsp.web.client import TransportError
+from kvsp.web.testing import RunningService, start_process
 
 SERVER = Path(__file__).resolve().parent / "bulk_server_for_tests.py"
 COMPAT, SCOPE = CompatId(bytes(range(32))), ScopeId(bytes(range(16)))
@@ -532,8 +532,8 @@ def test_slice_body_refuses_what_verification_refuses(paired: bool) -> None:
 
 
 def test_parts_response_sends_each_part_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvsp.services import holder_app  # noqa: PLC0415 - the server side
-    from kvsp.services.holder_app import PartsResponse  # noqa: PLC0415
+    from kvsp.services.holder import app as holder_app  # noqa: PLC0415 - the server side
+    from kvsp.services.holder.app import PartsResponse  # noqa: PLC0415
 
     sent: list[dict[str, Any]] = []
 
@@ -571,7 +571,7 @@ def test_parts_response_sends_each_part_once(monkeypatch: pytest.MonkeyPatch) ->
 def test_paired_slice_body_hashes_both_streams_in_one_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvsp.services import block_client  # noqa: PLC0415 - the module under test
+    from kvsp.transfer import block_client  # noqa: PLC0415 - the module under test
 
     calls: list[tuple[int, int]] = []
     native = sha256x2.feed_layers
@@ -597,7 +597,7 @@ def test_paired_slice_body_hashes_both_streams_in_one_pass(
 def test_paired_verification_leaves_a_core_to_the_receiving_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvsp.services import block_client  # noqa: PLC0415 - the module under test
+    from kvsp.transfer import block_client  # noqa: PLC0415 - the module under test
 
     monkeypatch.setattr(block_client.sha256x2, "ACCELERATED", True)
     for cores, want in ((1, 1), (2, 1), (3, 2), (16, 4)):
@@ -611,7 +611,7 @@ def test_paired_verification_leaves_a_core_to_the_receiving_loop(
 def test_paired_falls_back_to_hashlib_where_the_native_pairing_cannot_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvsp.services import block_client  # noqa: PLC0415 - the module under test
+    from kvsp.transfer import block_client  # noqa: PLC0415 - the module under test
 
     def refuse(*_: object) -> list[bytes]:
         raise AssertionError("the native pairing ran")

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvsp.services.buffers import BufferPool
+from kvsp.transfer.buffers import BufferPool
 
 SIZE = 4096
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsp.services.bulk import (
+from kvsp.transfer.bulk import (
     END_OF_MESSAGE,
     BulkClient,
     BulkLimits,
@@ -30,8 +30,8 @@ from kvsp.services.bulk import (
     ResponseParser,
     split_url,
 )
-from kvsp.services.client_base import TransportError
-from kvsp.services.testing import RunningService, start_process
+from kvsp.web.client import TransportError
+from kvsp.web.testing import RunningService, start_process
 
 SERVER = Path(__file__).resolve().parent / "bulk_server_for_tests.py"
 T = TypeVar("T")

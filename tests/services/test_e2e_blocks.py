@@ -1,5 +1,5 @@
 """End to end on loopback: ``kvsp serve index`` and two ``kvsp serve holder`` processes, driven
-by :class:`~kvsp.services.block_client.BlockClient` (spec §6.1, §6.6, §6.7).
+by :class:`~kvsp.transfer.block_client.BlockClient` (spec §6.1, §6.6, §6.7).
 
 A block is stored at a holder, which publishes it to the IS; the client looks it up, takes a
 lease, gets layers 3..7 verified and releases the lease. A proxy that flips one body octet
@@ -24,10 +24,10 @@ from kvsp.container import Geometry, decode_container, encode_container
 from kvsp.errors import DigestMismatch
 from kvsp.ids import BlockKey, ScopeId
 from kvsp.records import LeaseRequest, LookupRequest, ReplicaRecord
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.block_client import BlockClient, block_base, lease_base
-from kvsp.services.index_client import IndexClient
-from kvsp.services.testing import RunningService, start_process
+from kvsp.services.index.client import IndexClient
+from kvsp.transfer.block_client import BlockClient, block_base, lease_base
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 pytestmark = pytest.mark.slow
 

@@ -41,11 +41,11 @@ import httpx
 import pytest
 
 from kvsp.compat import compat_id
+from kvsp.engine.api import GREEDY, Sampling
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.keys import scope_id
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.engine_api import GREEDY, Sampling
 from kvsp.services.frontend import FrontEnd, FrontendConfig, Token
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
+from kvsp.web.auth import principal_entry, write_principals
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -24,8 +24,8 @@ from starlette.routing import Route
 from kvsp.errors import BadRequest
 from kvsp.ids import CompatId, ScopeId
 from kvsp.services.frontend import FrontEnd, FrontendConfig, SessionFailed, Token
-from kvsp.services.problems import dumps_json
-from kvsp.services.runner import bind_socket
+from kvsp.web.problems import dumps_json
+from kvsp.web.runner import bind_socket
 
 SCOPE = ScopeId(b"\x05" * 16)
 COMPAT = CompatId(b"\x06" * 32)

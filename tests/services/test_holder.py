@@ -28,12 +28,12 @@ from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.leases import LeaseQuota as QuotaConfig
 from kvsp.records import LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.registries import Tier
-from kvsp.services.auth import Principal
-from kvsp.services.client_base import TransportError
-from kvsp.services.clock import ManualClock
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.holder import OFFLOAD_BYTES, Holder, HolderConfig
+from kvsp.services.holder.service import OFFLOAD_BYTES, Holder, HolderConfig
 from kvsp.stores.blocks import BlockRef, InsufficientStorage
+from kvsp.web.auth import Principal
+from kvsp.web.client import TransportError
+from kvsp.web.clock import ManualClock
 
 T = TypeVar("T")
 DESCRIPTOR = CompatibilityDescriptor(

@@ -16,13 +16,13 @@ from kvsp.container import Geometry, decode_container, encode_container
 from kvsp.errors import BadRequest
 from kvsp.leases import LeaseQuota
 from kvsp.registries import Tier
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.cliargs import add_common_arguments
-from kvsp.services.clock import ManualClock
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.holder import Holder, HolderConfig
-from kvsp.services.holder_app import configure_parser, create_holder_app, holder_config, parse_size
-from kvsp.services.testing import InProcessClient
+from kvsp.services.holder.app import configure_parser, create_holder_app, holder_config, parse_size
+from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.cliargs import add_common_arguments
+from kvsp.web.clock import ManualClock
+from kvsp.web.testing import InProcessClient
 
 DESCRIPTOR = CompatibilityDescriptor(
     model="tiny",

@@ -19,9 +19,9 @@ from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.container import Geometry, decode_container, encode_container
 from kvsp.ids import BlockKey, ScopeId
 from kvsp.records import LookupRequest, LookupResponse
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.index_client import IndexClient
-from kvsp.services.testing import RunningService, start_process
+from kvsp.services.index.client import IndexClient
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 DESCRIPTOR = CompatibilityDescriptor(
     model="tiny",

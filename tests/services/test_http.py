@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvsp.errors import BadRequest, InvalidIdentifier
-from kvsp.services.http import (
+from kvsp.web.http import (
     json_depth,
     json_depth_exceeds,
     media_type,
@@ -22,7 +22,7 @@ from kvsp.services.http import (
     parse_repr_digest,
     repr_digest,
 )
-from kvsp.services.testing import InProcessClient
+from kvsp.web.testing import InProcessClient
 
 DIGEST = hashlib.sha256(b"block").digest()
 B64 = base64.b64encode(DIGEST).decode()

@@ -1,4 +1,4 @@
-"""The Index Service over HTTP, in-process (kvsp.services.index_app, descriptors, client_base,
+"""The Index Service over HTTP, in-process (kvsp.services.index.app, descriptors, client_base,
 index_client; spec §6.1-6.3, DESIGN.md §3): every endpoint's answers, bad input on every
 endpoint with the problem type checked and the stored state unchanged, the no-leak rule, the
 mismatch hint, expiry on a manual clock, the sweeper, and the client's error mapping. The
@@ -29,21 +29,21 @@ from kvsp.records import (
     Residency,
 )
 from kvsp.registries import InstanceState, Tier
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.client_base import (
+from kvsp.services.descriptors import DescriptorRegistry
+from kvsp.services.index.app import IndexConfig, create_index_app, index_lifespan
+from kvsp.services.index.client import IndexClient
+from kvsp.stores.base import ReplicaStore
+from kvsp.stores.memory import MemoryStore
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.client import (
     RemoteError,
     TransportError,
     error_from_problem,
     problem_error,
 )
-from kvsp.services.clock import ManualClock
-from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.http import UnsupportedMediaType
-from kvsp.services.index_app import IndexConfig, create_index_app, index_lifespan
-from kvsp.services.index_client import IndexClient
-from kvsp.services.testing import InProcessClient
-from kvsp.stores.base import ReplicaStore
-from kvsp.stores.memory import MemoryStore
+from kvsp.web.clock import ManualClock
+from kvsp.web.http import UnsupportedMediaType
+from kvsp.web.testing import InProcessClient
 
 T = TypeVar("T")
 PREFIX = "urn:ietf:params:kvsp:problem:"
@@ -278,7 +278,7 @@ def test_unauthorized_scope_is_byte_identical_to_a_miss(env: Env) -> None:
         empty = env.lookup(lookup_body(0, 1, scope=SCOPE_EMPTY, **kw), who="cb")
         assert denied.status_code == empty.status_code == 200
         assert denied.content == empty.content
-        # Each answer has its own X-Request-Id (kvsp.services.logs), unrelated to the scope.
+        # Each answer has its own X-Request-Id (kvsp.web.logs), unrelated to the scope.
         same = {k: v for k, v in denied.headers.items() if k != "x-request-id"}
         assert same == {k: v for k, v in empty.headers.items() if k != "x-request-id"}
         assert denied.json()["matched"] == 0

@@ -31,9 +31,9 @@ from kvsp.records import (
     dumps,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.index_client import IndexClient
-from kvsp.services.testing import RunningService, start_process
+from kvsp.services.index.client import IndexClient
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 T = TypeVar("T")
 SCOPE_A = ScopeId(b"\x0a" * 16)

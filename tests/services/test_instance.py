@@ -24,6 +24,7 @@ import pytest
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.container import Geometry, encode_container
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.errors import IllegalTransition, Incompatible, NotActive, StaleEpoch
 from kvsp.ids import BlockKey
 from kvsp.keys import block_keys, scope_id
@@ -37,21 +38,20 @@ from kvsp.records import (
     StateAnswer,
 )
 from kvsp.registries import DirectiveState, InstanceState, Tier
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.block_client import BlockClient, VerifiedBlock
-from kvsp.services.clock import ManualClock
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.holder import Holder, HolderConfig
-from kvsp.services.instance import (
+from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.services.instance.service import (
     EpochStore,
     InstanceAgent,
     InstanceConfig,
     Session,
     next_epoch,
 )
-from kvsp.services.testing import RunningService, start_process
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
 from kvsp.stores.blocks import BlockRef
+from kvsp.transfer.block_client import BlockClient, VerifiedBlock
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.clock import ManualClock
+from kvsp.web.testing import RunningService, start_process
 
 T = TypeVar("T")
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=8, kv_dtype="fp16", block_tokens=4)

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from kvsp.compat import compat_id
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.errors import PROBLEM_PREFIX
 from kvsp.keys import block_keys, scope_id
 from kvsp.records import (
@@ -29,14 +30,13 @@ from kvsp.records import (
     StateAnswer,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.block_client import BlockClient
-from kvsp.services.clock import ManualClock
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.holder import Holder, HolderConfig
-from kvsp.services.instance import InstanceAgent, InstanceConfig
-from kvsp.services.instance_app import GenerateRequest, create_instance_app
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
+from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.services.instance.app import GenerateRequest, create_instance_app
+from kvsp.services.instance.service import InstanceAgent, InstanceConfig
+from kvsp.transfer.block_client import BlockClient
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.clock import ManualClock
 
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=8, kv_dtype="fp16", block_tokens=4)
 COMPAT = compat_id(DESCRIPTOR)

@@ -19,11 +19,11 @@ import httpx
 import pytest
 
 from kvsp.compat import compat_id
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.ids import uri_id
 from kvsp.keys import block_keys, scope_id
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.testing import RunningService, start_process
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 T = TypeVar("T")
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=8, kv_dtype="fp16", block_tokens=4)

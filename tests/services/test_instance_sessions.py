@@ -20,6 +20,8 @@ import httpx
 import pytest
 
 from kvsp.compat import compat_id
+from kvsp.engine.api import GREEDY, Sampling
+from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.errors import (
     BadRequest,
     Incompatible,
@@ -37,23 +39,21 @@ from kvsp.records import (
     SessionCheckpoint,
     StateAnswer,
 )
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.block_client import BlockClient
-from kvsp.services.clock import ManualClock
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.engine_api import GREEDY, Sampling
-from kvsp.services.holder import Holder, HolderConfig
-from kvsp.services.instance import InstanceAgent, InstanceConfig
-from kvsp.services.instance_app import create_instance_app
-from kvsp.services.instance_sessions import (
+from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.services.instance.app import create_instance_app
+from kvsp.services.instance.service import InstanceAgent, InstanceConfig
+from kvsp.services.instance.sessions import (
     InstanceSessions,
     LiveSession,
     LiveState,
     SessionConfig,
     read_sampling,
 )
-from kvsp.services.pc_client import SessionView
-from kvsp.services.toy_engine import ToyEngine, toy_descriptor
+from kvsp.services.pc.client import SessionView
+from kvsp.transfer.block_client import BlockClient
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.clock import ManualClock
 
 T = TypeVar("T")
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=8, kv_dtype="fp16", block_tokens=4)

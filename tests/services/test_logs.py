@@ -1,4 +1,4 @@
-"""JSON logs with request ids (kvsp.services.logs): the formatter, the request-id middleware, the
+"""JSON logs with request ids (kvsp.web.logs): the formatter, the request-id middleware, the
 access record, redaction, and a real ``kvsp serve index`` process whose stderr is all JSON and
 never shows a token, an Authorization value or the principals file."""
 
@@ -18,8 +18,8 @@ import pytest
 from starlette.requests import Request
 from starlette.routing import Route
 
-from kvsp.services.auth import principal_entry, token_sha256, write_principals
-from kvsp.services.logs import (
+from kvsp.web.auth import principal_entry, token_sha256, write_principals
+from kvsp.web.logs import (
     ACCESS_LOGGER,
     JsonFormatter,
     configure_logging,
@@ -27,7 +27,7 @@ from kvsp.services.logs import (
     redact,
     request_id_var,
 )
-from kvsp.services.testing import InProcessClient, start_process
+from kvsp.web.testing import InProcessClient, start_process
 
 
 def _load_helpers() -> ModuleType:

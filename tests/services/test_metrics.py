@@ -1,4 +1,4 @@
-"""Prometheus metrics of every service (kvsp.services.metrics): request counts by route template,
+"""Prometheus metrics of every service (kvsp.web.metrics): request counts by route template,
 the scrape-only role, and the domain metrics at the points that count them. In-process apps,
 one real process (an instance that runs a directive), and a real MOQT relay for its octets."""
 
@@ -22,8 +22,8 @@ from kvsp.container import encode_container
 from kvsp.keys import block_keys
 from kvsp.records import InstanceStatusRecord, ReplicaRecord
 from kvsp.registries import InstanceState
-from kvsp.services.testing import InProcessClient, start_process
 from kvsp.stores.base import holder_id_of
+from kvsp.web.testing import InProcessClient, start_process
 from moqt.certs import make_self_signed
 
 HERE = Path(__file__).resolve().parent

@@ -17,9 +17,8 @@ from kvsp.container import Geometry, Layer, encode_container, replica_digest
 from kvsp.errors import DigestMismatch, Incompatible, LayersUnavailable, NotFound, RecordError
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord, encode_moqt_namespace
-from kvsp.services.block_client import BlockClient
-from kvsp.services.client_base import TransportError
-from kvsp.services.moqt_transport import (
+from kvsp.transfer.block_client import BlockClient
+from kvsp.transfer.moqt_client import (
     LiveTracks,
     MemoryBlocks,
     MoqtBlockClient,
@@ -28,6 +27,7 @@ from kvsp.services.moqt_transport import (
     parse_moqt_uri,
     serve_blocks,
 )
+from kvsp.web.client import TransportError
 from moqt.backend import get_backend
 from moqt.certs import make_self_signed
 from moqt.namespace import kv_namespace

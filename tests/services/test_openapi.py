@@ -1,4 +1,4 @@
-"""The OpenAPI documents stay true (kvsp.services.openapi): every route of every service is
+"""The OpenAPI documents stay true (kvsp.web.openapi): every route of every service is
 described, and the record schemas agree with the record classes (what they write validates; a
 member the schema requires is one the class requires). schemathesis then drives each service
 from its document (test_schemathesis.py)."""
@@ -40,9 +40,9 @@ from kvsp.records import (
     ShardMap,
     StateAnswer,
 )
-from kvsp.services.instance_app import GenerateRequest
-from kvsp.services.openapi import OPERATIONS, SCHEMAS, openapi_document, undocumented_routes
-from kvsp.services.testing import InProcessClient
+from kvsp.services.instance.app import GenerateRequest
+from kvsp.web.openapi import OPERATIONS, SCHEMAS, openapi_document, undocumented_routes
+from kvsp.web.testing import InProcessClient
 
 
 def _load_helpers() -> ModuleType:

@@ -30,6 +30,7 @@ from kvsp.errors import (
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.index import IndexService
 from kvsp.lifecycle import InstanceRegistry, SleepPolicy
+from kvsp.placement_plan import DirectiveOptions, ObservedServiceTimes
 from kvsp.records import (
     InstanceStatusRecord,
     Link,
@@ -38,20 +39,19 @@ from kvsp.records import (
     ReplicaRecord,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.client_base import TransportError
-from kvsp.services.clock import ManualClock
 from kvsp.services.control import LocalIndex
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.pc import (
+from kvsp.services.pc.app import CommandHook, UrlHook, scale_up_hook
+from kvsp.services.pc.service import (
     NoInstance,
     PCConfig,
     PlacementController,
     ScaleUpHook,
     UpstreamRefused,
 )
-from kvsp.services.pc_app import CommandHook, UrlHook, scale_up_hook
-from kvsp.services.pc_plan import DirectiveOptions, ObservedServiceTimes
 from kvsp.stores.memory import MemoryStore
+from kvsp.web.client import TransportError
+from kvsp.web.clock import ManualClock
 
 T = TypeVar("T")
 SCOPE = ScopeId(b"\x0a" * 16)

@@ -23,16 +23,16 @@ from kvsp.records import (
     ReplicaRecord,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.client_base import TransportError
-from kvsp.services.clock import ManualClock
 from kvsp.services.control import create_control_app
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.index_app import IndexConfig
-from kvsp.services.pc import PCConfig
-from kvsp.services.pc_client import PCClient
-from kvsp.services.testing import InProcessClient
+from kvsp.services.index.app import IndexConfig
+from kvsp.services.pc.client import PCClient
+from kvsp.services.pc.service import PCConfig
 from kvsp.stores.memory import MemoryStore
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.client import TransportError
+from kvsp.web.clock import ManualClock
+from kvsp.web.testing import InProcessClient
 
 SCOPE = ScopeId(b"\x0a" * 16)
 OTHER = ScopeId(b"\x0b" * 16)

@@ -22,10 +22,10 @@ from kvsp.errors import NotActive
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LookupRequest, PlaceRequest, ReplicaRecord, dumps
 from kvsp.registries import InstanceState
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.index_client import IndexClient
-from kvsp.services.pc_client import PCClient
-from kvsp.services.testing import RunningService, start_process
+from kvsp.services.index.client import IndexClient
+from kvsp.services.pc.client import PCClient
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.testing import RunningService, start_process
 
 T = TypeVar("T")
 HERE = Path(__file__).resolve().parent

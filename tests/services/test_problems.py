@@ -7,15 +7,15 @@ import json
 import pytest
 
 from kvsp.errors import LeaseQuota, PayloadTooLarge, Unauthorized
-from kvsp.services import problems
-from kvsp.services.problems import (
+from kvsp.web import problems
+from kvsp.web.problems import (
     KVSP_JSON,
     PROBLEM_JSON,
     http_problem,
     kvsp_json,
     problem_response,
 )
-from kvsp.services.testing import InProcessClient
+from kvsp.web.testing import InProcessClient
 
 PREFIX = "urn:ietf:params:kvsp:problem:"
 

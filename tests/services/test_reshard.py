@@ -28,11 +28,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvsp.engine.shards import container_parts, gather_sets, seeded_kv, token_bytes
 from kvsp.errors import BadRequest
 from kvsp.records_shard import ReshardFetch, ReshardPlan, Shard, ShardMap
-from kvsp.services.auth import Principals
-from kvsp.services.clock import ManualClock
-from kvsp.services.instance_reshard import ShardHolder
-from kvsp.services.pc_reshard import ReshardConfig, plan_reshard
+from kvsp.services.instance.reshard import ShardHolder
+from kvsp.services.pc.reshard import ReshardConfig, plan_reshard
 from kvsp.stores.shardmaps import BeginOutcome, MemoryShardMaps, ShardMapStore
+from kvsp.web.auth import Principals
+from kvsp.web.clock import ManualClock
 
 HELPER = Path(__file__).resolve().parent / "reshard_for_tests.py"
 

@@ -30,13 +30,13 @@ import pytest
 
 from kvsp.container import decode_container
 from kvsp.engine.shards import TokenPages, container_parts, gather_kv, seeded_kv, token_bytes
+from kvsp.engine.toy import toy_descriptor
 from kvsp.errors import Conflict, NotFound
-from kvsp.services.auth import principal_entry, write_principals
-from kvsp.services.client_base import TransportError
-from kvsp.services.http import parse_repr_digest
-from kvsp.services.instance_reshard import HttpRangeFetcher
-from kvsp.services.testing import RunningService, start_process
-from kvsp.services.toy_engine import toy_descriptor
+from kvsp.services.instance.reshard import HttpRangeFetcher
+from kvsp.web.auth import principal_entry, write_principals
+from kvsp.web.client import TransportError
+from kvsp.web.http import parse_repr_digest
+from kvsp.web.testing import RunningService, start_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # real processes: about a minute
 HELPER = Path(__file__).resolve().parent / "reshard_for_tests.py"

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsp.services.runner import base_url, bind_socket, write_ready_file
-from kvsp.services.testing import RunningService, ServiceStartError, start_process
+from kvsp.web.runner import base_url, bind_socket, write_ready_file
+from kvsp.web.testing import RunningService, ServiceStartError, start_process
 
 PROBLEM = "application/problem+json"
 KVSP = {"content-type": "application/kvsp+json"}

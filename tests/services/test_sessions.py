@@ -1,4 +1,4 @@
-"""Sessions at the PC (§6.8), in-process: the checkpoint rules of :mod:`kvsp.checkpoint` as the
+"""Sessions at the PC (§6.8), in-process: the checkpoint rules of :mod:`kvsp.sessions` as the
 memory store applies them (stale epoch, highest offset, compare-and-set on the epoch), the
 ``sessions/…`` resources of ``kvsp serve control`` with their authorization, and failover
 driven by status expiry on a manual clock with recording peers in place of instances."""
@@ -16,14 +16,6 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvsp.checkpoint import (
-    SessionState,
-    accept_checkpoint,
-    advance_epoch,
-    checkpoint_due,
-    new_session,
-    plan_resume,
-)
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.errors import (
     BadRequest,
@@ -45,17 +37,25 @@ from kvsp.records import (
     SessionCheckpoint,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.auth import Principals, principal_entry
-from kvsp.services.client_base import TransportError
-from kvsp.services.clock import ManualClock
 from kvsp.services.control import LocalIndex, create_control_app
 from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.index_app import IndexConfig
-from kvsp.services.pc import PCConfig, PlacementController
-from kvsp.services.pc_sessions import SessionService, SessionSettings
-from kvsp.services.testing import InProcessClient
+from kvsp.services.index.app import IndexConfig
+from kvsp.services.pc.service import PCConfig, PlacementController
+from kvsp.services.pc.sessions import SessionService, SessionSettings
+from kvsp.sessions import (
+    SessionState,
+    accept_checkpoint,
+    advance_epoch,
+    checkpoint_due,
+    new_session,
+    plan_resume,
+)
 from kvsp.stores.memory import MemoryStore
 from kvsp.stores.sessions import MemorySessionStore, SessionStore
+from kvsp.web.auth import Principals, principal_entry
+from kvsp.web.client import TransportError
+from kvsp.web.clock import ManualClock
+from kvsp.web.testing import InProcessClient
 
 T = TypeVar("T")
 SCOPE = ScopeId(b"\x0a" * 16)
@@ -117,7 +117,7 @@ def record_at(instance: str = A) -> Any:
     return new_session(SESSION, SCOPE, COMPAT, instance, 1_000)
 
 
-# --- the rules (kvsp.checkpoint) -----------------------------------------------------------------
+# --- the rules (kvsp.sessions) -----------------------------------------------------------------
 
 
 def test_a_lower_epoch_is_stale_and_a_higher_one_is_refused() -> None:

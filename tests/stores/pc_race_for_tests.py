@@ -19,11 +19,11 @@ import sys
 import uuid
 from typing import Any
 
-from kvsp.checkpoint import new_session
 from kvsp.errors import StaleEpoch
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import Sampler, SessionCheckpoint
 from kvsp.records_shard import Shard, ShardMap
+from kvsp.sessions import new_session
 from kvsp.stores.sessions import SessionStore
 from kvsp.stores.shardmaps import ShardMapStore
 

@@ -29,10 +29,10 @@ from kvsp.records import (  # noqa: E402
     dumps,
 )
 from kvsp.registries import InstanceState  # noqa: E402
-from kvsp.services.auth import principal_entry, write_principals  # noqa: E402
-from kvsp.services.index_client import IndexClient  # noqa: E402
-from kvsp.services.testing import RunningService, start_process  # noqa: E402
+from kvsp.services.index.client import IndexClient  # noqa: E402
 from kvsp.stores.redis_sessions import RedisSessionStore  # noqa: E402
+from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
+from kvsp.web.testing import RunningService, start_process  # noqa: E402
 
 SCOPE = ScopeId(b"\x0f" * 16)
 A = "https://pc-proc-a.example/kvsp/"

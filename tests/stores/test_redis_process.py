@@ -23,10 +23,10 @@ redis = pytest.importorskip("redis")
 from kvsp.compat import CompatibilityDescriptor, compat_id  # noqa: E402
 from kvsp.ids import BlockKey, CompatId, ScopeId  # noqa: E402
 from kvsp.records import LookupRequest, ReplicaRecord, dumps  # noqa: E402
-from kvsp.services.auth import principal_entry, write_principals  # noqa: E402
-from kvsp.services.index_client import IndexClient  # noqa: E402
-from kvsp.services.testing import RunningService, start_process  # noqa: E402
+from kvsp.services.index.client import IndexClient  # noqa: E402
 from kvsp.stores.redis_lua import LOOKUP_SHA  # noqa: E402
+from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
+from kvsp.web.testing import RunningService, start_process  # noqa: E402
 
 T = TypeVar("T")
 TOKEN = "redis-process-admin-token-0123456789"

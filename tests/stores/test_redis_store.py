@@ -33,10 +33,8 @@ from kvsp.records import (  # noqa: E402
     dumps,
 )
 from kvsp.registries import InstanceState, Tier  # noqa: E402
-from kvsp.services.auth import Principals, principal_entry  # noqa: E402
-from kvsp.services.clock import ManualClock  # noqa: E402
 from kvsp.services.descriptors import DescriptorRegistry  # noqa: E402
-from kvsp.services.index_app import IndexConfig, create_index_app  # noqa: E402
+from kvsp.services.index.app import IndexConfig, create_index_app  # noqa: E402
 from kvsp.stores.base import StoreUnavailable, holder_id_of  # noqa: E402
 from kvsp.stores.redis import (  # noqa: E402
     RecordCache,
@@ -46,6 +44,8 @@ from kvsp.stores.redis import (  # noqa: E402
     encode_record,
     parse_store_url,
 )
+from kvsp.web.auth import Principals, principal_entry  # noqa: E402
+from kvsp.web.clock import ManualClock  # noqa: E402
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 COMPAT = CompatId(b"\x01" * 32)

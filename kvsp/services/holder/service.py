@@ -1,0 +1,581 @@
+"""The holder: stores, serves and leases blocks, and keeps their Replica Records at the Index
+Service (spec §6.1 publishing and withdrawing, §6.6 leases, §6.7 block retrieval and storage).
+
+:class:`Holder` is the library behind ``kvsp serve holder`` and the holder face of instances
+and relays; the HTTP shell is :mod:`kvsp.services.holder.app`. Choices the spec leaves open:
+
+* Blocks are stored whole, as the container that was PUT; only codec raw (1) is stored or
+  served, and ``?codec=`` naming any other codec is answered 406 (no transcoding yet).
+* A PUT container must match its descriptor's geometry (§4.3) and hold exactly
+  ``block_tokens`` tokens (§4.2: only complete blocks have keys). It may hold a layer
+  sub-range, which it serves (ranges it lacks answer ``kvsp-layers-unavailable``) but does not
+  publish: a Replica Record's ``digest`` covers every layer (§4.3), which a holder of some
+  layers cannot know, and a record with any other value would mislead clients.
+* A PUT that could be stored only by evicting leased blocks fails with 507
+  ``kvsp-insufficient-storage``; nothing is evicted.
+* Records are refreshed once a third of their granted TTL has passed, and withdrawn on
+  :meth:`Holder.close`. A failed withdrawal does not stop an eviction (§6.1 allows "immediately
+  after"); it is retried with the next refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import ParamSpec, Protocol, TypeVar
+
+from kvsp.compat import CompatibilityDescriptor
+from kvsp.container import Geometry, decode_container, header_size
+from kvsp.errors import (
+    DigestMismatch,
+    Incompatible,
+    KVSPError,
+    NotAcceptable,
+    NotFound,
+    PreconditionFailed,
+)
+from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.leases import Lease, LeaseQuota, LeaseTable, random_lease_id
+from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord, Residency
+from kvsp.registries import Codec, Tier
+from kvsp.stores.blocks import (
+    BlockLeased,
+    BlockMeta,
+    BlockRef,
+    BlockStore,
+    DeviceBackend,
+    InsufficientStorage,
+    StoreConfig,
+    StoredBlock,
+    Victim,
+    describe_block,
+)
+from kvsp.web.auth import Principal, require_scope
+from kvsp.web.clock import Clock
+
+_log = logging.getLogger("kvsp.holder")
+P = ParamSpec("P")
+T = TypeVar("T")
+
+GiB = 1 << 30
+OFFLOAD_BYTES = 1 << 20
+"""Blocks at least this large are hashed in a worker thread (hashlib releases the GIL)."""
+REFRESH_BATCH = 1000
+"""Records per ``POST replicas`` when refreshing (the IS takes up to 10,000)."""
+WITHDRAW_CONCURRENCY = 32
+"""Withdrawals in flight at once when the holder shuts down."""
+ADMISSION_ATTEMPTS = 3
+"""How often a PUT re-plans when a lease lands on a victim while its record is withdrawn."""
+
+
+class ReplicaIndex(Protocol):
+    """What the holder needs of the Index Service (:class:`~kvsp.services.index.client.
+    IndexClient` provides it)."""
+
+    async def publish(self, record: ReplicaRecord, /) -> int:
+        """Publish or refresh a record (§6.1); returns the granted TTL in ms."""
+        ...
+
+    async def publish_batch(self, records: Sequence[ReplicaRecord], /) -> list[int | KVSPError]:
+        """Publish or refresh several records; per record, the granted TTL or its error."""
+        ...
+
+    async def withdraw(
+        self, compat: CompatId, scope: ScopeId, key: BlockKey, holder: str, /
+    ) -> bool:
+        """Withdraw a record (§6.1); whether one was there."""
+        ...
+
+
+class DescriptorSource(Protocol):
+    """Where the holder finds the Compatibility Descriptor of a compat_id (§4.1)."""
+
+    def get(self, compat: CompatId, /) -> CompatibilityDescriptor | None:
+        """The descriptor, or ``None`` when unknown."""
+        ...
+
+
+def _default_rates() -> dict[Tier, float]:
+    return {Tier.HOST: 400_000.0, Tier.DISK: 16_000.0}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HolderConfig:
+    """How a holder stores, publishes and leases blocks.
+
+    ``public_url`` is the base (ending in ``/``) named as ``holder`` in its records; ``None``
+    until :meth:`Holder.set_public_url` learns it from the server.
+    """
+
+    public_url: str | None = None
+    tiers: Mapping[Tier, int] = field(default_factory=lambda: {Tier.HOST: GiB})
+    state_dir: Path | None = None
+    """The disk tier lives in ``state_dir/blocks``."""
+    record_ttl_ms: int = 600_000
+    read_mbit_per_s: Mapping[Tier, float] = field(default_factory=_default_rates)
+    lease_quota: LeaseQuota = field(
+        default_factory=lambda: LeaseQuota(
+            max_octets_per_client=GiB, max_ttl_ms=60_000, max_leases_per_client=1024
+        )
+    )
+    body_limit: int = 256 << 20
+    digest_cache: int = 64
+    """How many sub-range Repr-Digests to remember."""
+    fsync: bool = True
+
+    def store_config(self) -> StoreConfig:
+        """The block store's configuration."""
+        root = None if self.state_dir is None else self.state_dir / "blocks"
+        return StoreConfig(budgets=dict(self.tiers), disk_root=root, fsync=self.fsync)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockResponse:
+    """What to send for a GET (§6.7): the parts in order (header octets and views of the
+    stored block, never a second copy of it), their length, and the fields."""
+
+    parts: tuple[bytes | memoryview, ...]
+    length: int
+    repr_digest: bytes
+    """SHA-256 of exactly the returned container."""
+    max_age_s: int
+    """No longer than the replica's remaining TTL."""
+    first_layer: int
+    last_layer: int
+
+
+@dataclass(slots=True)
+class _Publication:
+    published_ms: int
+    ttl_ms: int
+
+    def due(self, now_ms: int) -> bool:
+        return now_ms - self.published_ms >= self.ttl_ms // 3
+
+
+class Holder:
+    """A block holder: storage in tiers, retrieval by layer range, leases, and its records."""
+
+    def __init__(
+        self,
+        config: HolderConfig,
+        *,
+        index: ReplicaIndex | None,
+        descriptors: DescriptorSource,
+        clock: Clock,
+        device: DeviceBackend | None = None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.descriptors = descriptors
+        self.clock = clock
+        self.leases = LeaseTable(config.lease_quota, random_lease_id)
+        self.store = BlockStore(config.store_config(), is_leased=self.is_leased, device=device)
+        self._public_url = config.public_url
+        self._published: dict[BlockRef, _Publication] = {}
+        self._unwithdrawn: set[BlockRef] = set()  # withdrawals that failed or wait for a URL
+        self._digests: OrderedDict[tuple[BlockRef, bytes, int, int], bytes] = OrderedDict()
+        self._admitting = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def public_url(self) -> str | None:
+        """The base URL named in records, once known."""
+        return self._public_url
+
+    def set_public_url(self, url: str) -> None:
+        """Learn the public base URL (the server's own when none was configured) and publish."""
+        self._public_url = url if url.endswith("/") else url + "/"
+        self._wake.set()
+
+    async def start(self) -> None:
+        """Re-read the disk tier (withdrawing dropped blocks), then keep the records fresh."""
+        for dropped in await asyncio.to_thread(self.store.open):
+            _log.warning("dropped block %s: %s", dropped.ref, dropped.reason)
+            self._unwithdrawn.add(dropped.ref)
+        if self.index is not None and self._task is None:
+            self._task = asyncio.create_task(self._refresh_loop(), name="kvsp-holder-refresh")
+
+    async def close(self) -> None:
+        """Stop refreshing and withdraw every published record."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        refs = list(self._published)
+        for start in range(0, len(refs), WITHDRAW_CONCURRENCY):
+            chunk = refs[start : start + WITHDRAW_CONCURRENCY]
+            await asyncio.gather(*(self._withdraw(ref) for ref in chunk))
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            self._wake.clear()  # before the round: a wake-up during it starts the next at once
+            try:
+                await self.refresh_due()
+            except Exception:  # a bad round must not end refreshing for good
+                _log.exception("refreshing replica records failed")
+            interval = min((p.ttl_ms for p in self._published.values()), default=None)
+            seconds = (interval or self.config.record_ttl_ms) / 6000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=max(0.05, seconds))
+
+    async def refresh_due(self) -> int:
+        """Retry failed withdrawals, then publish every record not yet published or past a third
+        of its granted TTL (§6.1); returns how many were published."""
+        if self.index is None or self._public_url is None:
+            return 0
+        for ref in list(self._unwithdrawn):
+            if ref in self.store:  # stored again since: publishing below replaces the record
+                self._unwithdrawn.discard(ref)
+            else:
+                await self._withdraw(ref)
+        now = self.clock.now_ms()
+        due = []
+        for block in self.store:
+            publication = self._published.get(block.meta.ref)
+            if publication is None or publication.due(now):
+                due.append(block)
+        count = 0
+        for start in range(0, len(due), REFRESH_BATCH):
+            count += await self._publish_batch(due[start : start + REFRESH_BATCH])
+        return count
+
+    # -- records -------------------------------------------------------------------------------
+
+    def record_of(self, block: StoredBlock) -> ReplicaRecord:
+        """The Replica Record of a held block (§4.4).
+
+        Raises:
+            RuntimeError: the public URL is not known yet.
+        """
+        if self._public_url is None:
+            raise RuntimeError("the holder's public URL is not known yet")
+        meta = block.meta
+        residency = Residency(
+            tier=block.tier,
+            first=meta.first_layer,
+            last=meta.last_layer,
+            read_mbit_per_s=self.config.read_mbit_per_s.get(block.tier),
+        )
+        return ReplicaRecord(
+            block_key=meta.ref.key,
+            compat_id=meta.ref.compat,
+            scope_id=meta.ref.scope,
+            holder=self._public_url,
+            codec=meta.codec,
+            size=meta.size,
+            digest=meta.digest,
+            layer_digests=meta.layer_digests,
+            residency=(residency,),
+            ttl_ms=self.config.record_ttl_ms,
+        )
+
+    async def _publish(self, block: StoredBlock) -> int:
+        if self.index is None or self._public_url is None or not block.meta.complete:
+            return 0
+        now = self.clock.now_ms()
+        try:
+            granted = await self.index.publish(self.record_of(block))
+        except KVSPError as exc:
+            _log.warning("publishing %s failed: %s", block.meta.ref, exc)
+            return 0
+        self._published_at(block, now, granted)
+        return 1
+
+    async def _publish_batch(self, blocks: Sequence[StoredBlock]) -> int:
+        blocks = [block for block in blocks if block.meta.complete]  # see the module docstring
+        if not blocks:
+            return 0
+        if len(blocks) == 1 or self.index is None or self._public_url is None:
+            return sum([await self._publish(block) for block in blocks])
+        now = self.clock.now_ms()
+        try:
+            outcomes = await self.index.publish_batch([self.record_of(b) for b in blocks])
+        except KVSPError as exc:
+            _log.warning("publishing %d records failed: %s", len(blocks), exc)
+            return 0
+        count = 0
+        for block, outcome in zip(blocks, outcomes, strict=True):
+            if isinstance(outcome, KVSPError):
+                _log.warning("publishing %s failed: %s", block.meta.ref, outcome)
+                continue
+            self._published_at(block, now, outcome)
+            count += 1
+        return count
+
+    def _published_at(self, block: StoredBlock, now_ms: int, granted_ms: int) -> None:
+        # Only while the block is still held as published: evicted or demoted meanwhile, its
+        # record is gone or stale, and the next refresh round publishes it as it is now.
+        if self.store.get(block.meta.ref, touch=False) is block:
+            self._published[block.meta.ref] = _Publication(now_ms, max(1, granted_ms))
+
+    async def _withdraw(self, ref: BlockRef) -> None:
+        self._published.pop(ref, None)
+        if self.index is None:
+            return
+        if self._public_url is None:
+            self._unwithdrawn.add(ref)
+            return
+        try:
+            await self.index.withdraw(ref.compat, ref.scope, ref.key, self._public_url)
+        except KVSPError as exc:
+            _log.warning("withdrawing %s failed (retried later): %s", ref, exc)
+            self._unwithdrawn.add(ref)
+        else:
+            self._unwithdrawn.discard(ref)
+
+    def remaining_ttl_ms(self, ref: BlockRef) -> int:
+        """How long the replica's record has left at the IS (the configured TTL standalone)."""
+        if self.index is None:
+            return self.config.record_ttl_ms
+        publication = self._published.get(ref)
+        if publication is None:
+            return 0
+        return max(0, publication.published_ms + publication.ttl_ms - self.clock.now_ms())
+
+    # -- storing (§6.7 PUT) --------------------------------------------------------------------
+
+    def check_put(self, principal: Principal, ref: BlockRef) -> CompatibilityDescriptor:
+        """What can be refused before the body is read, in this order.
+
+        Raises:
+            Forbidden: the principal may not use the scope (§6.7 MUST).
+            PreconditionFailed: the key is already held (§6.7: keep the copy, 412).
+            Incompatible: the compat_id has no descriptor here.
+        """
+        require_scope(principal, ref.scope)
+        if ref in self.store:
+            raise PreconditionFailed("this holder already has a replica for the key")
+        descriptor = self.descriptors.get(ref.compat)
+        if descriptor is None:
+            raise Incompatible("unknown compat_id; PUT its descriptor first", path="compat")
+        return descriptor
+
+    async def put_block(
+        self,
+        principal: Principal,
+        compat: CompatId,
+        scope: ScopeId,
+        key: BlockKey,
+        data: bytes,
+        *,
+        expected_digest: bytes | None = None,
+    ) -> StoredBlock:
+        """Verify and store a container, then publish its record (§6.7, §6.1).
+
+        ``expected_digest`` is the SHA-256 from the request's Repr-Digest or Content-Digest.
+
+        Raises:
+            Forbidden, PreconditionFailed, Incompatible: as :meth:`check_put`; Incompatible
+                also for a token count other than the descriptor's ``block_tokens``.
+            ContainerError: not a container of the descriptor's geometry (§4.3).
+            DigestMismatch: ``expected_digest`` differs (nothing is stored).
+            InsufficientStorage: no room without evicting leased blocks (507).
+        """
+        ref = BlockRef(compat, scope, key)
+        descriptor = self.check_put(principal, ref)
+        meta = await _describe(ref, memoryview(data), Geometry.from_descriptor(descriptor))
+        if meta.token_count != descriptor.block_tokens:
+            raise Incompatible(
+                f"container holds {meta.token_count} tokens; a block holds "
+                f"{descriptor.block_tokens} (block_tokens)"
+            )
+        if expected_digest is not None and expected_digest != meta.repr_digest:
+            raise DigestMismatch("the body does not match its Repr-Digest", path="Repr-Digest")
+        async with self._admitting:
+            if ref in self.store:  # a concurrent PUT of the same key won
+                raise PreconditionFailed("this holder already has a replica for the key")
+            block = await self._admit(meta, memoryview(data))
+        await self._publish(block)
+        return block
+
+    async def _admit(self, meta: BlockMeta, data: memoryview) -> StoredBlock:
+        for _ in range(ADMISSION_ATTEMPTS):
+            admission = self.store.plan(meta.size)
+            try:
+                await self._make_room(admission.victims)
+            except BlockLeased:
+                continue  # plan again, around the newly leased block
+            if admission.tier is Tier.HOST:  # kept as it is, uncopied
+                return self.store.admit(meta, data, admission.tier)
+            return await asyncio.to_thread(self.store.admit, meta, data, admission.tier)
+        raise InsufficientStorage("blocks kept being leased while room was being made")
+
+    async def _make_room(self, victims: Sequence[Victim]) -> None:
+        """Demote or evict each victim.
+
+        Raises:
+            BlockLeased: a lease arrived for a victim while its record was being withdrawn; the
+                block stays and its record is published again.
+        """
+        for victim in victims:
+            if victim.to is not None:
+                moved = await asyncio.to_thread(self.store.demote, victim.ref, victim.to)
+                await self._publish(moved)  # its residency changed
+                continue
+            await self._withdraw(victim.ref)  # §6.1: withdraw before evicting
+            try:
+                self.store.evict(victim.ref)
+            except BlockLeased:
+                block = self.store.get(victim.ref, touch=False)
+                if block is not None:
+                    await self._publish(block)  # still held: its record goes back
+                raise
+
+    # -- serving (§6.7 GET) --------------------------------------------------------------------
+
+    async def get_block(
+        self,
+        principal: Principal,
+        compat: CompatId,
+        scope: ScopeId,
+        key: BlockKey,
+        layers: tuple[int, int] | None,
+        codec: int | None,
+    ) -> BlockResponse:
+        """The container (or the layer range ``layers``) to send for a GET (§6.7).
+
+        Raises:
+            Forbidden: the principal may not use the scope (checked first).
+            NotFound: the block is not held (``kvsp-not-found``).
+            NotAcceptable: ``codec`` is not the stored codec (raw only; no transcoding).
+            LayersUnavailable: the range is not held (``kvsp-layers-unavailable``).
+        """
+        require_scope(principal, scope)
+        ref = BlockRef(compat, scope, key)
+        block = self.store.get(ref)
+        if block is None:
+            raise NotFound("this holder does not hold the block")
+        if codec is not None and codec != block.meta.codec:
+            raise NotAcceptable(
+                f"codec {codec} requested; this holder serves codec {int(Codec.RAW)} (raw) only"
+            )
+        meta = block.meta
+        max_age = self.remaining_ttl_ms(ref) // 1000
+        data = self.store.read(block)
+        if layers is None or layers == (meta.first_layer, meta.last_layer):
+            return BlockResponse(
+                (data,), meta.size, meta.repr_digest, max_age, meta.first_layer, meta.last_layer
+            )
+        parts = _range_parts(data, *layers)
+        length = sum(len(p) for p in parts)
+        digest = await self._sub_range_digest(meta, layers, parts, length)
+        return BlockResponse(parts, length, digest, max_age, layers[0], layers[1])
+
+    async def _sub_range_digest(
+        self,
+        meta: BlockMeta,
+        layers: tuple[int, int],
+        parts: Sequence[bytes | memoryview],
+        length: int,
+    ) -> bytes:
+        cache_key = (meta.ref, meta.repr_digest, layers[0], layers[1])
+        cached = self._digests.get(cache_key)
+        if cached is not None:
+            self._digests.move_to_end(cache_key)
+            return cached
+        digest = await _offload(length, _sha256_parts, parts)
+        self._digests[cache_key] = digest
+        while len(self._digests) > self.config.digest_cache:
+            self._digests.popitem(last=False)
+        return digest
+
+    # -- leases (§6.6) -------------------------------------------------------------------------
+
+    def is_leased(self, ref: BlockRef) -> bool:
+        """Whether an unexpired lease covers the block (the store never evicts it)."""
+        return self.leases.is_leased(ref.packed, self.clock.now_ms())
+
+    def grant(self, principal: Principal, request: LeaseRequest) -> LeaseGrant:
+        """Create a lease on held blocks for the principal (quota per principal name).
+
+        Raises:
+            Forbidden: the principal may not use the scope.
+            NotFound: a listed block is not held (the message names it).
+            LeaseQuota: over the principal's octets, lease count or TTL (429).
+        """
+        require_scope(principal, request.scope_id)
+        sizes: dict[bytes, int] = {}
+        for i, key in enumerate(request.block_keys):
+            block = self.store.get(BlockRef(request.compat_id, request.scope_id, key), touch=False)
+            if block is None:
+                raise NotFound("this holder does not hold the block", path=f"$.block_keys[{i}]")
+            sizes[block.meta.ref.packed] = block.meta.size
+        lease = self.leases.grant(principal.name, sizes, request.ttl_ms, self.clock.now_ms())
+        return _grant_of(lease, request.ttl_ms, request.block_keys)
+
+    def renew(self, principal: Principal, lease_id: str, renewal: LeaseRenewal) -> LeaseGrant:
+        """Renew one of the principal's leases to end ``ttl_ms`` from now.
+
+        Raises:
+            NotFound: no such unexpired lease of this principal.
+            LeaseQuota: ``ttl_ms`` over the maximum.
+        """
+        now = self.clock.now_ms()
+        lease = self.leases.renew(lease_id, principal.name, renewal.ttl_ms, now)
+        keys = tuple(BlockKey(k[48:]) for k in sorted(lease.keys))
+        return _grant_of(lease, renewal.ttl_ms, keys)
+
+    def release(self, principal: Principal, lease_id: str) -> None:
+        """Release one of the principal's leases.
+
+        Raises:
+            NotFound: no such unexpired lease of this principal.
+        """
+        self.leases.release(lease_id, principal.name, self.clock.now_ms())
+
+
+def _range_parts(data: memoryview, first: int, last: int) -> tuple[bytes, memoryview]:
+    """Layers ``first..last`` of a stored container as a new header and one view of the
+    stored octets: the sections of consecutive layers are contiguous (§4.3).
+
+    Raises:
+        LayersUnavailable: the range is not held.
+    """
+    stored = decode_container(data)
+    selected = stored.select(first, last)
+    start = header_size(stored.layer_count)
+    for layer in stored.layers[: first - stored.first_layer]:
+        start += layer.k.nbytes + layer.v.nbytes
+    length = sum(layer.k.nbytes + layer.v.nbytes for layer in selected.layers)
+    return selected.header_bytes, data[start : start + length]
+
+
+def _grant_of(lease: Lease, ttl_ms: int, keys: Sequence[BlockKey]) -> LeaseGrant:
+    return LeaseGrant(lease=lease.id, ttl_ms=ttl_ms, block_keys=tuple(keys))
+
+
+async def _describe(ref: BlockRef, data: memoryview, geometry: Geometry) -> BlockMeta:
+    """:func:`describe_block`, with the two passes over a large block in two threads."""
+    if data.nbytes < OFFLOAD_BYTES:
+        return describe_block(ref, data, geometry)
+    whole = asyncio.ensure_future(asyncio.to_thread(_sha256_parts, (data,)))
+    try:
+        meta = await asyncio.to_thread(describe_block, ref, data, geometry, bytes(32))
+    finally:
+        digest = await whole
+    return replace(meta, repr_digest=digest)  # in place of the placeholder
+
+
+def _sha256_parts(parts: Sequence[bytes | memoryview]) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+async def _offload(size: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run ``fn`` in a worker thread when ``size`` octets make it slow, else inline."""
+    if size >= OFFLOAD_BYTES:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)

@@ -1,0 +1,2 @@
+"""The inference instance's agent: an engine behind status reports (§6.3), prefetch directives
+(§6.5), a holder face for what it computed (§6.7), sessions (§6.8) and resharding (§6.9)."""

@@ -1,0 +1,665 @@
+"""The inference instance over HTTP (spec §6.3 PUT state, §6.5 prefetch, §6.6–6.7 holder face;
+DESIGN.md §3 resource table) and ``kvsp serve instance``.
+
+Routes (relative to the instance's base URL):
+
+======  ============================ ==========================================================
+POST    ``prefetch``                  §6.5 directive → 202, ``Location: prefetch/{directive}``,
+                                      body the directive's status (role ``pc``)
+GET     ``prefetch/{directive}``      ``{"directive", "state", "loaded": [hex32...], "detail"?}``
+PUT     ``state``                     ``{"state": "active"|"draining"|"sleeping"}`` from the PC
+                                      → 200 ``{"state": now}``; 409 for a move §6.3 forbids
+POST    ``generate``                  ``{"prompt": [uint32...], "max_tokens": n, "scope_key"?:
+                                      hex, "scope_id"?: hex16, "session"?: uuid, "sampler"?:
+                                      {"method", "params"?, "seed"?, "deterministic"?}}`` →
+                                      200 ``application/x-ndjson``, one ``{"index", "epoch",
+                                      "token"}`` per line (role ``client``)
+GET     ``sessions/{s}/tokens?from=N``  the session's tokens from index N, NDJSON as above
+                                      (role ``client``; §6.8 reattaching)
+POST    ``sessions/{s}/resume``       ResumeRequest (§6.8) → 200 ``{"session", "epoch",
+                                      "output_offset", "loaded_prompt_blocks",
+                                      "loaded_generated_blocks", "recomputed_tokens"}``; 409
+                                      ``kvsp-stale-epoch`` for an epoch not above its own
+                                      (role ``pc``)
+GET     ``sessions/{s}``              the instance's view of a session it serves
+GET     ``status``                    the Instance Status Record it would send now
+GET/PUT ``blocks/…``, ``leases…``     the holder face (§6.6, §6.7) over what it computed/loaded
+GET     ``healthz``                   liveness, no token
+======  ============================ ==========================================================
+
+**Scope key.** Block Keys need the scope key (§4.2). A request carries it as ``scope_key``
+(hex, at least 32 octets) or names a scope configured with ``--scope-key-file`` by
+``scope_id``; with neither, the single configured scope is used (the single-tenant default).
+The principal must be authorized for the scope either way. Generation answers carry
+``KVSP-Loaded-Blocks`` and ``KVSP-Computed-Blocks`` (how many prompt blocks were loaded and
+computed). An error after the stream started ends it with one ``{"error": problem}`` line.
+
+**Sessions** (§6.8). A generate request with ``session`` (placed by the PC with that id) runs
+as a session of :mod:`kvsp.services.instance.sessions`: it checkpoints to the PC, survives the
+reader (``GET sessions/{s}/tokens?from=N`` reattaches), and can be resumed elsewhere. It needs
+the scope key configured with ``--scope-key-file`` (a resumed instance computes the keys of
+generated blocks with it). Without ``session`` a generation is as before: greedy unless a
+``sampler`` says otherwise, never checkpointed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from kvsp.compat import CompatibilityDescriptor
+from kvsp.engine.api import GREEDY, InferenceEngine, Sampling
+from kvsp.errors import BadRequest, KVSPError, NotFound, RecordError
+from kvsp.fields import Fields
+from kvsp.ids import ScopeId
+from kvsp.keys import scope_id as scope_id_of
+from kvsp.records import PrefetchDirective, ResumeRequest, StateAnswer
+from kvsp.records_common import UINT32_MAX, read_uint32_list, read_uuid
+from kvsp.registries import Tier
+from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes, read_descriptor_file
+from kvsp.services.holder.app import holder_routes, parse_size
+from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.services.instance.reshard import agent_reshard_routes
+from kvsp.services.instance.service import InstanceAgent, InstanceConfig, Session
+from kvsp.services.instance.sessions import (
+    InstanceSessions,
+    LiveSession,
+    SessionConfig,
+    read_sampling,
+)
+from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments
+from kvsp.web.auth import Principals, principal_of, require_role, require_scope
+from kvsp.web.cliargs import load_principals, serve_config
+from kvsp.web.clock import Clock, SystemClock
+from kvsp.web.http import install_operations, read_json
+from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
+from kvsp.web.runner import ServeConfig, serve_async
+
+_log = logging.getLogger("kvsp.instance")
+
+NDJSON = "application/x-ndjson"
+JSON_LIMIT = 1 << 20
+DIRECTIVE_LIMIT = 64 << 20
+"""A directive lists up to a million blocks with their sources."""
+PROMPT_LIMIT = 64 << 20
+"""A prompt of a million tokens as JSON numbers."""
+MAX_SCOPE_KEY = 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateRequest:
+    """The body of POST generate (outside KVSP; DESIGN §3): ``{"prompt", "max_tokens",
+    "scope_key"?, "scope_id"?, "session"?}``."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    scope_key: bytes | None = None
+    scope_id: ScopeId | None = None
+    session: uuid.UUID | None = None
+    sampling: Sampling = GREEDY
+    deterministic: bool = True
+
+    @classmethod
+    def from_json(cls, obj: object, path: str = "$") -> Self:
+        """Read a generate request.
+
+        Raises:
+            RecordError: a bad or missing member; a ``scope_id`` that is not the scope of
+                ``scope_key``.
+        """
+        f = Fields(obj, path)
+        prompt = read_uint32_list(f.raw("prompt"), f.at("prompt"))
+        if not prompt:
+            raise RecordError("must not be empty", path=f.at("prompt"))
+        key = _read_scope_key(f)
+        sid = f.hex16("scope_id", optional=True)
+        scope = None if sid is None else ScopeId(sid)
+        if key is not None and scope is not None and scope_id_of(key) != scope:
+            raise RecordError("is not the scope of scope_key", path=f.at("scope_id"))
+        session = f.raw("session", optional=True, nullable=True)
+        sampler = f.raw("sampler", optional=True)
+        sampling, deterministic = (
+            (GREEDY, True) if sampler is None else read_sampling(sampler, f.at("sampler"))
+        )
+        return cls(
+            prompt=prompt,
+            max_tokens=f.integer("max_tokens", maximum=UINT32_MAX),
+            scope_key=key,
+            scope_id=scope,
+            session=None if session is None else read_uuid(session, f.at("session")),
+            sampling=sampling,
+            deterministic=deterministic,
+        )
+
+
+def _read_scope_key(f: Fields) -> bytes | None:
+    text = f.string("scope_key", optional=True)
+    if text is None:
+        return None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if key.hex() != text or not 32 <= len(key) <= MAX_SCOPE_KEY:
+        raise RecordError("expected 32 to 1024 octets as lowercase hex", path=f.at("scope_key"))
+    return key
+
+
+def _resolve_scope(agent: InstanceAgent, body: GenerateRequest) -> tuple[ScopeId, bytes]:
+    if body.scope_key is not None:
+        return scope_id_of(body.scope_key), body.scope_key
+    if body.scope_id is not None:
+        return body.scope_id, agent.scope_key_for(body.scope_id)
+    configured = list(agent.config.scope_keys.items())
+    if len(configured) != 1:
+        raise BadRequest("name the scope: scope_key or scope_id", path="$.scope_key")
+    scope, key = configured[0]
+    return ScopeId(scope), key
+
+
+async def _ndjson(session: Session, sampling: Sampling = GREEDY) -> AsyncIterator[bytes]:
+    try:
+        async for index, token in session.tokens(sampling):
+            line = {"index": index, "epoch": session.epoch, "token": token}
+            yield dumps_json(line) + b"\n"
+    except KVSPError as exc:
+        yield dumps_json({"error": exc.to_problem()}) + b"\n"
+    except Exception:
+        _log.exception("generation failed")
+        yield dumps_json({"error": {"status": 500, "title": "Internal error"}}) + b"\n"
+
+
+async def _session_ndjson(live: LiveSession, start: int) -> AsyncIterator[bytes]:
+    try:
+        async for index, token in live.stream(start):
+            yield dumps_json({"index": index, "epoch": live.epoch, "token": token}) + b"\n"
+    except KVSPError as exc:
+        yield dumps_json({"error": exc.to_problem()}) + b"\n"
+
+
+_DECIMAL = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def _read_from(request: Request) -> int:
+    text = request.query_params.get("from", "0")
+    if _DECIMAL.fullmatch(text) is None or int(text) > UINT32_MAX:
+        raise BadRequest(f"from must be a decimal index, got {text[:40]!r}", path="from")
+    return int(text)
+
+
+def _stream(body: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
+    return StreamingResponse(
+        body, media_type=NDJSON, headers={**headers, "cache-control": "no-store"}
+    )
+
+
+class _InstanceEndpoints:
+    def __init__(self, agent: InstanceAgent, sessions: InstanceSessions | None) -> None:
+        self.agent = agent
+        self.sessions = sessions
+
+    def _sessions(self) -> InstanceSessions:
+        if self.sessions is None:
+            raise BadRequest("this instance keeps no sessions (it has no PC to checkpoint to)")
+        return self.sessions
+
+    async def post_prefetch(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "pc")
+        directive = PrefetchDirective.from_json(await read_json(request, DIRECTIVE_LIMIT))
+        require_scope(principal, directive.scope_id)
+        progress = self.agent.accept_directive(directive)
+        where = f"prefetch/{directive.directive}"
+        if self.agent.public_url is not None:
+            where = self.agent.public_url + where
+        return kvsp_json(progress.status().to_json(), status=202, headers={"location": where})
+
+    async def get_prefetch(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "pc")
+        directive = read_uuid(request.path_params["directive"], "directive")
+        progress = self.agent.directives.get(directive)
+        require_scope(principal, progress.directive.scope_id)
+        return kvsp_json(progress.status().to_json())
+
+    async def put_state(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "pc")
+        body = StateAnswer.from_json(await read_json(request, JSON_LIMIT))
+        return kvsp_json({"state": str(self.agent.change_state(body.state))})
+
+    async def post_generate(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "client")
+        body = GenerateRequest.from_json(await read_json(request, PROMPT_LIMIT))
+        scope, key = _resolve_scope(self.agent, body)
+        require_scope(principal, scope)
+        if body.session is not None:
+            return await self._open_session(body, scope, key)
+        session = await self.agent.open_session(body.prompt, body.max_tokens, scope, key)
+        headers = {
+            "kvsp-loaded-blocks": str(session.loaded_blocks),
+            "kvsp-computed-blocks": str(session.computed_blocks),
+            "cache-control": "no-store",
+        }
+        return StreamingResponse(
+            _ndjson(session, body.sampling),
+            media_type=NDJSON,
+            headers=headers,
+            background=BackgroundTask(session.close),
+        )
+
+    async def _open_session(self, body: GenerateRequest, scope: ScopeId, key: bytes) -> Response:
+        if body.session is None:
+            raise BadRequest("no session", path="$.session")
+        live, opened = await self._sessions().open(
+            body.session,
+            body.prompt,
+            body.max_tokens,
+            scope,
+            key,
+            body.sampling,
+            body.deterministic,
+        )
+        headers = {
+            "kvsp-loaded-blocks": str(opened.loaded_blocks),
+            "kvsp-computed-blocks": str(opened.computed_blocks),
+        }
+        return _stream(_session_ndjson(live, 0), headers)
+
+    async def get_tokens(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "client")
+        live = self._sessions().get(read_uuid(request.path_params["session"], "session"))
+        require_scope(principal, live.scope)
+        return _stream(_session_ndjson(live, _read_from(request)), {})
+
+    async def get_session(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "client", "pc")
+        live = self._sessions().get(read_uuid(request.path_params["session"], "session"))
+        require_scope(principal, live.scope)
+        return kvsp_json(live.view())
+
+    async def post_resume(self, request: Request) -> Response:
+        principal = principal_of(request)
+        require_role(principal, "pc")
+        session = read_uuid(request.path_params["session"], "session")
+        body = ResumeRequest.from_json(await read_json(request, PROMPT_LIMIT))
+        if body.checkpoint.session != session:
+            raise BadRequest("the checkpoint is of another session", path="$.checkpoint.session")
+        require_scope(principal, body.checkpoint.scope_id)
+        outcome = await self._sessions().resume(body)
+        return kvsp_json(outcome.to_json())
+
+    async def get_status(self, request: Request) -> Response:
+        principal_of(request)
+        if self.agent.public_url is None:
+            raise NotFound("the instance does not know its URL yet")
+        return kvsp_json(self.agent.status_record().to_json())
+
+
+async def healthz(request: Request) -> Response:
+    """Liveness: answers without a token and says nothing about the contents."""
+    return kvsp_json({"status": "ok"})
+
+
+@contextlib.asynccontextmanager
+async def instance_lifespan(
+    agent: InstanceAgent, sessions: InstanceSessions | None = None
+) -> AsyncIterator[None]:
+    """Start the agent with the app; stop its sessions and it (withdrawing its records) at
+    the end."""
+    await agent.start()
+    try:
+        yield
+    finally:
+        if sessions is not None:
+            await sessions.close()
+        await agent.close()
+
+
+def create_instance_app(
+    agent: InstanceAgent,
+    principals: Principals,
+    clock: Clock,
+    *,
+    body_limit: int = 256 << 20,
+    descriptors: DescriptorRegistry | None = None,
+    sessions: InstanceSessions | None = None,
+) -> Starlette:
+    """The instance as a Starlette app: its own routes, the holder face, and (with
+    ``descriptors``) the ``descriptors/{compat}`` routes. Without ``sessions`` it takes no
+    §6.8 sessions (generate with ``session`` and the ``sessions/…`` routes answer 400)."""
+    ep = _InstanceEndpoints(agent, sessions)
+    routes = [
+        Route("/prefetch", ep.post_prefetch, methods=["POST"]),
+        Route("/prefetch/{directive}", ep.get_prefetch, methods=["GET"]),
+        Route("/state", ep.put_state, methods=["PUT"]),
+        Route("/generate", ep.post_generate, methods=["POST"]),
+        Route("/sessions/{session}/tokens", ep.get_tokens, methods=["GET"]),
+        Route("/sessions/{session}/resume", ep.post_resume, methods=["POST"]),
+        Route("/sessions/{session}", ep.get_session, methods=["GET"]),
+        Route("/status", ep.get_status, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        *holder_routes(agent.holder, body_limit),
+    ]
+    if descriptors is not None:
+        routes += descriptor_routes(descriptors)
+    app = Starlette(routes=routes, lifespan=lambda _app: instance_lifespan(agent, sessions))
+    app.state.principals = principals
+    app.state.clock = clock
+    app.state.agent = agent
+    install_problem_handlers(app)
+    install_operations(app, "instance", "KVSP inference instance")
+    return app
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _tier_size(text: str) -> tuple[Tier, int]:
+    name, sep, value = text.partition("=")
+    try:
+        tier = Tier(name.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"unknown tier {name!r}") from None
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected TIER=SIZE, got {text!r}")
+    return tier, parse_size(value)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the instance's options (``kvsp serve instance``)."""
+    d = InstanceConfig()
+    add = parser.add_argument
+    add("--control", required=True, metavar="URL", help="the PC (or kvsp serve control)")
+    add("--index", metavar="URL", help="the IS, when apart from the PC (default: --control)")
+    add("--token-file", required=True, type=Path, metavar="FILE", help="bearer token it uses")
+    add("--engine", choices=["toy", "reference"], default="toy", help="the engine (default toy)")
+    add("--descriptor", type=Path, metavar="D.json", help="Compatibility Descriptor to compute")
+    add("--kv-capacity-blocks", type=_positive_int, default=1024, metavar="N")
+    add("--model", type=Path, metavar="DIR", help="checkpoint folder (--engine reference)")
+    add("--device", default="cpu", help="torch device of --engine reference (default cpu)")
+    add("--block-tokens", type=_positive_int, default=16, metavar="B", help="(reference)")
+    add("--kv-dtype", default="fp32", metavar="T", help="KV element type (reference; fp32)")
+    add("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute (reference)")
+    add("--public-url", metavar="URL", help="base URL it is known by (default: its own)")
+    add("--status-ttl-ms", type=_positive_int, default=d.status_ttl_ms, metavar="MS")
+    add("--batch-size", type=_positive_int, default=d.batch_size, metavar="N")
+    add("--prefetch-concurrency", type=_positive_int, default=d.prefetch_concurrency)
+    add("--sleep-threshold", type=float, metavar="LOAD", help="ask to sleep below this load")
+    add("--sleep-after-ms", type=_positive_int, default=d.sleep_after_ms, metavar="MS")
+    add("--record-ttl-ms", type=_positive_int, default=600_000, metavar="MS")
+    add_relay_arguments(parser)
+    add(
+        "--scope-key-file",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a scope key (hex, >= 32 octets) for requests without one; repeatable",
+    )
+    add(
+        "--tier",
+        type=_tier_size,
+        action="append",
+        default=[],
+        metavar="TIER=SIZE",
+        help="holder-face tier and budget, e.g. host=2GiB (default host=1GiB)",
+    )
+    add_session_arguments(parser)
+
+
+def _delay_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of ms >= 0, got {text!r}")
+    return value
+
+
+def add_session_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of §6.8 sessions (checkpoints, the release gate, replicas)."""
+    d = SessionConfig()
+    add = parser.add_argument
+    add(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=d.checkpoint_every,
+        metavar="N",
+        help=f"checkpoint at least every N output tokens (default {d.checkpoint_every})",
+    )
+    add(
+        "--gate-batch",
+        type=_positive_int,
+        default=d.gate_batch,
+        metavar="N",
+        help="non-deterministic samplers: new tokens a checkpoint waits for before tokens are "
+        f"released (default {d.gate_batch})",
+    )
+    add(
+        "--replica-holder",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a holder that keeps copies of session blocks, so they outlive this instance "
+        "(repeatable)",
+    )
+    add("--session-log", type=Path, metavar="FILE", help="append token releases as JSON lines")
+    add(
+        "--toy-decode-ms",
+        type=_delay_ms,
+        default=0.0,
+        metavar="MS",
+        help="--engine toy: emulated device time of each decode round (default 0)",
+    )
+
+
+def session_config(args: argparse.Namespace) -> SessionConfig:
+    """The :class:`SessionConfig` the options describe."""
+    return SessionConfig(
+        checkpoint_every=args.checkpoint_every,
+        gate_batch=args.gate_batch,
+        replica_holders=tuple(args.replica_holder),
+        log=args.session_log,
+    )
+
+
+def _read_secret(path: Path, what: str) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise BadRequest(f"cannot read {what} {path}: {exc.strerror}") from None
+    if not text:
+        raise BadRequest(f"{what} {path} is empty")
+    return text
+
+
+def _scope_keys(paths: list[Path]) -> dict[bytes, bytes]:
+    keys: dict[bytes, bytes] = {}
+    for path in paths:
+        text = _read_secret(path, "--scope-key-file")
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            raise BadRequest(f"--scope-key-file {path}: expected hex") from None
+        keys[scope_id_of(key)] = key
+    return keys
+
+
+def instance_config(args: argparse.Namespace) -> InstanceConfig:
+    """The :class:`InstanceConfig` the options describe.
+
+    Raises:
+        BadRequest: unreadable scope key files or a public URL without a trailing ``/``.
+    """
+    if args.public_url is not None and not args.public_url.endswith("/"):
+        raise BadRequest("--public-url must end in '/'")
+    return InstanceConfig(
+        public_url=args.public_url,
+        status_ttl_ms=args.status_ttl_ms,
+        batch_size=args.batch_size,
+        prefetch_concurrency=args.prefetch_concurrency,
+        sleep_threshold=args.sleep_threshold,
+        sleep_after_ms=args.sleep_after_ms,
+        state_dir=args.state,
+        scope_keys=_scope_keys(args.scope_key_file),
+    )
+
+
+def make_engine(args: argparse.Namespace) -> InferenceEngine:
+    """The engine ``--engine`` names: the toy engine computing ``--descriptor`` (its default
+    otherwise), or the torch reference engine over the checkpoint in ``--model``.
+
+    Raises:
+        DescriptorError: an invalid descriptor file.
+        BadRequest: ``--engine reference`` without ``--model`` or without torch, or with a
+            ``--descriptor`` that is not the model's.
+        CheckpointError: the model folder cannot be loaded.
+    """
+    descriptor = None if args.descriptor is None else read_descriptor_file(args.descriptor)
+    if args.engine == "reference":
+        return _reference_engine(args, descriptor)
+    from kvsp.engine.toy import ToyEngine
+
+    return ToyEngine(
+        descriptor,
+        capacity_blocks=args.kv_capacity_blocks,
+        decode_delay_s=args.toy_decode_ms / 1000,
+    )
+
+
+def _reference_engine(
+    args: argparse.Namespace, descriptor: CompatibilityDescriptor | None
+) -> InferenceEngine:
+    if args.model is None:
+        raise BadRequest("--engine reference needs --model DIR (see: kvsp model init DIR)")
+    from kvsp.engine.reference import TorchEngine
+
+    try:
+        engine = TorchEngine(
+            args.model,
+            device=args.device,
+            num_pages=args.kv_capacity_blocks,
+            block_tokens=args.block_tokens,
+            kv_dtype=args.kv_dtype,
+            dtype=args.dtype,
+        )
+    except ModuleNotFoundError as exc:  # torch is an optional extra (kvsp[engine])
+        if exc.name not in {"torch", "safetensors"}:
+            raise
+        raise BadRequest(
+            f"--engine reference needs {exc.name}: pip install 'kvsp[engine]'"
+        ) from None
+    if descriptor is not None and descriptor != engine.descriptor:
+        raise BadRequest(f"--descriptor is not the descriptor of the model in {args.model}")
+    return engine
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve an instance until SIGTERM/SIGINT; returns the exit status.
+
+    Raises:
+        BadRequest: inconsistent options or unreadable files.
+    """
+    config = instance_config(args)
+    token = _read_secret(args.token_file, "--token-file")
+    tiers = dict(args.tier) or {Tier.HOST: 1 << 30}
+    holder_config = HolderConfig(
+        public_url=args.public_url,
+        tiers=tiers,
+        state_dir=args.state,
+        record_ttl_ms=args.record_ttl_ms,
+    )
+    engine = make_engine(args)
+    registry = DescriptorRegistry()
+    registry.add(engine.descriptor, persist=False)
+    principals = load_principals(args)
+    serving = serve_config(args)
+    main = _serve(args, config, holder_config, token, engine, registry, principals, serving)
+    # The stdlib loop, not uvloop: the bulk block client needs asyncio's own transports.
+    with asyncio.Runner() as runner:
+        runner.run(main)
+    return 0
+
+
+async def _serve(
+    args: argparse.Namespace,
+    config: InstanceConfig,
+    holder_config: HolderConfig,
+    token: str,
+    engine: InferenceEngine,
+    registry: DescriptorRegistry,
+    principals: Principals,
+    serving: ServeConfig,
+) -> None:
+    from kvsp.services.index.client import IndexClient
+    from kvsp.services.pc.client import PCClient
+    from kvsp.transfer.block_client import BlockClient
+
+    clock = SystemClock()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(engine.aclose)
+        control = await stack.enter_async_context(IndexClient(args.control, token))
+        index = control
+        if args.index is not None:
+            index = await stack.enter_async_context(IndexClient(args.index, token))
+        try:
+            await index.put_descriptor(engine.descriptor)
+        except KVSPError as exc:
+            _log.warning("registering the descriptor at the IS failed: %s", exc)
+        relay = RelayAttachment(args, token)  # --relay: moqt:// replicas, blocks to the relay
+        blocks = await stack.enter_async_context(BlockClient(token, moqt=relay.moqt_client()))
+        holder = Holder(holder_config, index=relay.index(index), descriptors=registry, clock=clock)
+        relay.start(holder, stack)
+        agent = InstanceAgent(engine, holder, index, blocks, control, clock, config)
+        pc = await stack.enter_async_context(PCClient(args.control, token))
+        sessions = InstanceSessions(agent, pc, session_config(args))
+        app = create_instance_app(
+            agent,
+            principals,
+            clock,
+            body_limit=holder_config.body_limit,
+            descriptors=registry,
+            sessions=sessions,
+        )
+        app.router.routes.extend(agent_reshard_routes(agent, token))  # §6.9 POST reshard, shards/
+
+        def on_serving(url: str) -> None:
+            if config.public_url is None:
+                agent.set_public_url(url)
+
+        await serve_async(app, serving, on_serving=on_serving)
+
+
+__all__ = [
+    "GenerateRequest",
+    "configure_parser",
+    "create_instance_app",
+    "instance_config",
+    "make_engine",
+    "run",
+]

@@ -1,0 +1,768 @@
+"""The inference instance agent (spec §6.3 status and lifecycle, §6.5 prefetch directives,
+§6.6–6.7 as a client and as a holder; DESIGN.md §1: "an agent around an engine. It reports
+status, executes directives, serves as a holder of what it computed").
+
+:class:`InstanceAgent` drives an :class:`~kvsp.engine.api.InferenceEngine` and a
+:class:`~kvsp.services.holder.service.Holder` (its holder face); :mod:`kvsp.services.instance.app`
+is the HTTP shell. Choices the spec leaves open:
+
+* **Epoch** (§6.3): the start time in ms, or the last epoch used + 1 when the clock is not past
+  it; the last epoch is kept in ``STATE/epoch`` (:func:`next_epoch`). A status PUT answered
+  ``kvsp-stale-epoch`` (the PC saw the record expire) re-registers with a new epoch.
+* **Status** is sent every ``ttl/3`` (never later: the period counts from the previous send)
+  and at once after a state change. ``running``/``queued`` count admitted sessions holding or
+  waiting for one of ``batch_size`` engine slots; ``links`` are measured per source holder
+  (rate from the octets and seconds of recent verified GETs, RTT from the lease round trips).
+* **Prefetch** (§6.5): the directive's records come from one IS lookup (they carry the digests
+  to verify against). Blocks load in prefix order, ``prefetch_concurrency`` transfers at once;
+  each takes a lease at a source, GETs and verifies the block (hashing in worker threads),
+  releases the lease, then keeps it in the engine and in the holder's tiers (which publishes
+  its replica). One load per key at a time: directives for overlapping keys share it, and it
+  is cancelled only when no directive waits for it any more.
+* **Generation**: the prompt's Block Keys use the request's scope key or a configured one;
+  every leading block held by the engine or the holder (or still loading for a directive) is
+  used, the rest recomputed, and the computed blocks are kept and published. Sessions that
+  survive failures (§6.8: checkpoints, resume, the release gate) are built on these pieces in
+  :mod:`kvsp.services.instance.sessions`; a status answered ``kvsp-stale-epoch`` tells them
+  that the PC declared this instance failed (:meth:`InstanceAgent.on_declared_failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvsp.compat import compat_id
+from kvsp.container import Container, Geometry, decode_container
+from kvsp.engine.api import GREEDY, EngineSequence, InferenceEngine, Sampling
+from kvsp.errors import (
+    BadRequest,
+    Incompatible,
+    KVSPError,
+    NotActive,
+    PreconditionFailed,
+    StaleEpoch,
+)
+from kvsp.ids import BlockKey, ScopeId
+from kvsp.keys import block_keys
+from kvsp.lifecycle import check_transition
+from kvsp.prefetch import DirectiveBook, DirectiveProgress, LinkMeter
+from kvsp.records import (
+    DirectiveBlock,
+    InstanceStatusRecord,
+    LeaseRequest,
+    LookupRequest,
+    LookupResponse,
+    PrefetchDirective,
+    ReplicaRecord,
+    StateAnswer,
+)
+from kvsp.registries import InstanceState
+from kvsp.services.holder.service import Holder
+from kvsp.stores.blocks import BlockRef
+from kvsp.transfer.block_client import BlockClient, UnsupportedHolder, VerifiedBlock, source_base
+from kvsp.web.auth import Principal
+from kvsp.web.clock import Clock
+
+_log = logging.getLogger("kvsp.instance")
+
+EPOCH_FILE = "epoch"
+LOOKUP_CHUNK = 4096
+"""Keys per IS lookup when reading a directive's records."""
+
+
+class StatusSink(Protocol):
+    """Where status records go (§6.3): :class:`~kvsp.services.index.client.IndexClient` of the
+    PC (or of ``kvsp serve control``)."""
+
+    async def put_status(self, record: InstanceStatusRecord, /) -> StateAnswer:
+        """PUT the record; the PC answers the state it wants."""
+        ...
+
+
+class ReplicaLookup(Protocol):
+    """The IS lookup (§6.2) the agent reads a directive's Replica Records with."""
+
+    async def lookup(self, request: LookupRequest, /) -> LookupResponse:
+        """POST lookup."""
+        ...
+
+
+def next_epoch(now_ms: int, last: int | None) -> int:
+    """The epoch for a start at ``now_ms`` (§6.3 MUST increase on every restart): the start
+    time, unless the clock is not past the last epoch used; then that epoch + 1."""
+    return now_ms if last is None or now_ms > last else last + 1
+
+
+class EpochStore:
+    """The last epoch used, kept in ``folder/epoch`` (in memory only without a folder)."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.path = None if folder is None else folder / EPOCH_FILE
+        self._last: int | None = None
+
+    def last(self) -> int | None:
+        """The last epoch used, or ``None`` on a first start."""
+        if self.path is None or not self.path.exists():
+            return self._last
+        text = self.path.read_text(encoding="ascii").strip()
+        return int(text) if text.isdigit() else self._last
+
+    def advance(self, now_ms: int) -> int:
+        """Choose, persist (atomically) and return the next epoch."""
+        epoch = next_epoch(now_ms, self.last())
+        self._last = epoch
+        if self.path is not None:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{EPOCH_FILE}.{os.getpid()}.tmp")
+            tmp.write_text(f"{epoch}\n", encoding="ascii")
+            os.replace(tmp, self.path)
+        return epoch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InstanceConfig:
+    """How an instance reports, admits, prefetches and sleeps."""
+
+    public_url: str | None = None
+    """Base URL (ending in ``/``) it is known by; its own server's URL when ``None``."""
+    status_ttl_ms: int = 3000
+    batch_size: int = 8
+    """Sessions the engine runs at once; more are queued."""
+    max_tokens: int = 4096
+    max_prompt_tokens: int = 1 << 20
+    prefetch_concurrency: int = 4
+    """Block transfers in flight at once, over all directives."""
+    prefetch_window: int = 8
+    """Blocks of one directive started ahead of the prefix being completed."""
+    sleep_threshold: float | None = None
+    """Ask to sleep when ``running + queued`` stayed below this (``None``: never ask)."""
+    sleep_after_ms: int = 300_000
+    state_dir: Path | None = None
+    scope_keys: Mapping[bytes, bytes] = field(default_factory=dict)
+    """Scope ID → scope key, for requests that name a scope instead of carrying its key."""
+    warmup_tokens: int = 64
+    status_loop: bool = True
+
+
+@dataclass(slots=True)
+class _KeyLoad:
+    task: asyncio.Task[tuple[bool, str]]
+    waiters: int = 0
+
+
+def _base(uri: str) -> str:
+    return uri if uri.endswith("/") else uri + "/"
+
+
+class Session:
+    """An admitted generation: its prefix is in the engine; :meth:`tokens` streams the rest."""
+
+    def __init__(
+        self, agent: InstanceAgent, seq: EngineSequence, max_tokens: int, epoch: int = 1
+    ) -> None:
+        self._agent = agent
+        self._seq = seq
+        self.max_tokens = max_tokens
+        self.epoch = epoch
+        self.loaded_blocks = seq.loaded_blocks
+        self.computed_blocks = len(seq.computed)
+        self.keys: Sequence[BlockKey] = ()
+        """The Block Keys of the prompt's complete blocks (empty for a resumed session)."""
+        self._closed = False
+
+    @property
+    def sequence(self) -> EngineSequence:
+        """The engine's sequence (for sessions that sample, checkpoint and export blocks)."""
+        return self._seq
+
+    async def tokens(self, sampling: Sampling = GREEDY) -> AsyncIterator[tuple[int, int]]:
+        """``(index, token)`` pairs chosen by ``sampling``; the session is closed when the
+        iteration ends."""
+        try:
+            index = 0
+            async for token in self._seq.tokens(self.max_tokens, sampling):
+                yield index, token
+                index += 1
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Free the engine's memory and the slot (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._seq.release()
+        finally:
+            self._agent._session_done(running=True)
+
+
+class InstanceAgent:
+    """An inference instance: status, lifecycle, prefetch, generation, and its holder face.
+
+    ``index`` serves the lookups of directives (the IS); ``control`` takes status records
+    (the PC); the holder publishes its replicas through its own index client.
+    """
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        holder: Holder,
+        index: ReplicaLookup,
+        block_client: BlockClient,
+        control: StatusSink,
+        clock: Clock,
+        config: InstanceConfig,
+    ) -> None:
+        self.engine = engine
+        self.holder = holder
+        self.index = index
+        self.block_client = block_client
+        self.control = control
+        self.clock = clock
+        self.config = config
+        self.descriptor = engine.descriptor
+        self.compat = compat_id(self.descriptor)
+        self.geometry = Geometry.from_descriptor(self.descriptor)
+        self.links = LinkMeter()
+        self.directives = DirectiveBook()
+        self.loads_started = 0
+        self._epochs = EpochStore(config.state_dir)
+        self._epoch = 0
+        self._state = InstanceState.ACTIVE
+        self._admitted = 0
+        self._running = 0
+        self._low_since_ms: int | None = None
+        self._slots = asyncio.Semaphore(config.batch_size)
+        self._transfers = asyncio.Semaphore(config.prefetch_concurrency)
+        self._loads: dict[BlockRef, _KeyLoad] = {}
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._status_task: asyncio.Task[None] | None = None
+        self._status_wake = asyncio.Event()
+        self._url_known = asyncio.Event()
+        self._public_url: str | None = None
+        self._principal = Principal(name="instance", roles=frozenset({"instance"}), scopes=None)
+        self._failure_listeners: list[Callable[[], None]] = []
+        if config.public_url is not None:
+            self.set_public_url(config.public_url)
+
+    # -- lifecycle of the process --------------------------------------------------------------
+
+    @property
+    def public_url(self) -> str | None:
+        """The base URL named in status records and replica records, once known."""
+        return self._public_url
+
+    def set_public_url(self, url: str) -> None:
+        """Learn the base URL (the server's own when none was configured)."""
+        self._public_url = _base(url)
+        self.holder.set_public_url(self._public_url)
+        self._url_known.set()
+
+    @property
+    def state(self) -> InstanceState:
+        """The lifecycle state (§6.3)."""
+        return self._state
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of this run (§6.3)."""
+        return self._epoch
+
+    async def start(self) -> None:
+        """Choose the epoch, start the holder face, measure the engine, start reporting.
+
+        Raises:
+            Incompatible: the holder does not know the engine's descriptor.
+        """
+        if self.holder.descriptors.get(self.compat) is None:
+            raise Incompatible("the holder face must know the engine's descriptor")
+        self._epoch = self._epochs.advance(self.clock.now_ms())
+        await self.holder.start()
+        await self._warm_up()
+        if self.config.status_loop and self._status_task is None:
+            self._status_task = asyncio.create_task(self._status_loop(), name="kvsp-status")
+
+    async def _warm_up(self) -> None:
+        """Run a short prompt so the first status record carries measured rates."""
+        count = max(self.descriptor.block_tokens, self.config.warmup_tokens)
+        # Ids below 256 exist in every vocabulary, the byte-level one of the seeded model too.
+        seq = await self.engine.prefill([(i * 7919) % 251 for i in range(count)], [])
+        try:
+            async for _ in seq.tokens(8):
+                pass
+        finally:
+            await seq.release()
+
+    async def close(self) -> None:
+        """Stop reporting and prefetching, then withdraw the holder face's records."""
+        tasks = list(self._tasks)
+        if self._status_task is not None:
+            tasks.append(self._status_task)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for progress in self.directives.pending():
+            progress.abort("the instance is shutting down")
+        await self.holder.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, object], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- status (§6.3) -------------------------------------------------------------------------
+
+    def _requested_state(self, now_ms: int) -> InstanceState | None:
+        threshold = self.config.sleep_threshold
+        if (
+            threshold is None
+            or self._state is not InstanceState.ACTIVE
+            or self._admitted >= threshold
+        ):
+            self._low_since_ms = None
+            return None
+        if self._low_since_ms is None:
+            self._low_since_ms = now_ms
+        if now_ms - self._low_since_ms >= self.config.sleep_after_ms:
+            return InstanceState.SLEEPING
+        return None
+
+    def status_record(self) -> InstanceStatusRecord:
+        """The Instance Status Record as of now (§4.4).
+
+        Raises:
+            RuntimeError: the public URL is not known yet.
+        """
+        if self._public_url is None:
+            raise RuntimeError("the instance's public URL is not known yet")
+        stats = self.engine.stats()
+        return InstanceStatusRecord(
+            instance=self._public_url,
+            epoch=self._epoch,
+            state=self._state,
+            running=self._running,
+            queued=self._admitted - self._running,
+            batch_size=self.config.batch_size,
+            kv_utilization=stats.kv_utilization,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            decode_tokens_per_s=stats.decode_tokens_per_s,
+            links=self.links.links(),
+            requested_state=self._requested_state(self.clock.now_ms()),
+            ttl_ms=self.config.status_ttl_ms,
+        )
+
+    async def report_status(self) -> StateAnswer:
+        """Send one status record and apply the PC's answer.
+
+        A ``kvsp-stale-epoch`` answer (the PC saw this epoch fail) re-registers once with a
+        new epoch, as active.
+
+        Raises:
+            KVSPError: the PC refused the record or could not be reached.
+        """
+        try:
+            answer = await self.control.put_status(self.status_record())
+        except StaleEpoch:
+            self._epoch = self._epochs.advance(self.clock.now_ms())
+            self._state = InstanceState.ACTIVE
+            _log.warning("status expired at the PC; re-registering with epoch %d", self._epoch)
+            for listener in list(self._failure_listeners):
+                listener()
+            answer = await self.control.put_status(self.status_record())
+        self._apply_answer(answer)
+        return answer
+
+    def on_declared_failed(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever the PC answers a status with ``kvsp-stale-epoch``: it
+        declared this instance failed, so its sessions may live elsewhere now (§6.8)."""
+        self._failure_listeners.append(listener)
+
+    def _apply_answer(self, answer: StateAnswer) -> None:
+        if answer.state is self._state:
+            return
+        try:
+            check_transition(self._state, answer.state, by="pc")
+        except KVSPError:
+            # The PC has not seen a move this instance made on its own yet (§6.3 lag).
+            _log.debug("ignoring PC state %s while %s", answer.state, self._state)
+            return
+        self._enter(answer.state)
+
+    async def _status_loop(self) -> None:
+        await self._url_known.wait()
+        period = self.config.status_ttl_ms / 3000  # §6.3: no longer than ttl/3
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            self._status_wake.clear()
+            try:
+                async with asyncio.timeout(period):
+                    await self.report_status()
+            except (KVSPError, TimeoutError) as exc:
+                _log.warning("status report failed: %s", exc)
+            except Exception:
+                _log.exception("status report failed")
+            delay = max(0.0, began + period - loop.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._status_wake.wait(), delay)
+
+    # -- lifecycle (§6.3) ----------------------------------------------------------------------
+
+    def change_state(self, dst: InstanceState) -> InstanceState:
+        """Apply a state change from the PC (PUT state); returns the state now.
+
+        A draining instance with nothing in flight goes on to sleeping at once.
+
+        Raises:
+            IllegalTransition: the lifecycle table has no such move for the PC (409).
+        """
+        if dst is not self._state:
+            check_transition(self._state, dst, by="pc")
+            self._enter(dst)
+        return self._state
+
+    def _enter(self, dst: InstanceState) -> None:
+        self._state = dst
+        self._low_since_ms = None
+        self._settle()
+        self._status_wake.set()
+
+    def _settle(self) -> None:
+        if self._state is InstanceState.DRAINING and self._admitted == 0:
+            check_transition(InstanceState.DRAINING, InstanceState.SLEEPING, by="instance")
+            self._state = InstanceState.SLEEPING
+            self._status_wake.set()  # §6.3: "enters sleeping and reports it"
+
+    def _session_done(self, *, running: bool) -> None:
+        if running:
+            self._running -= 1
+            self._slots.release()
+        self._admitted -= 1
+        self._settle()
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def scope_key_for(self, scope: ScopeId) -> bytes:
+        """The configured scope key of ``scope``.
+
+        Raises:
+            BadRequest: no key is configured for it.
+        """
+        key = self.config.scope_keys.get(bytes(scope))
+        if key is None:
+            raise BadRequest("no scope key is configured for this scope_id", path="$.scope_id")
+        return key
+
+    async def open_session(
+        self, prompt: Sequence[int], max_tokens: int, scope: ScopeId, scope_key: bytes
+    ) -> Session:
+        """Admit a generation: compute its Block Keys, load what is held, compute the rest
+        and publish it. The caller streams :meth:`Session.tokens`.
+
+        Raises:
+            NotActive: the instance is draining or sleeping (§6.3 MUST NOT accept new ones).
+            BadRequest: a bad prompt or too many tokens asked for.
+            KVSPError: the engine refused the prompt.
+        """
+        if self._state is not InstanceState.ACTIVE:
+            raise NotActive(f"the instance is {self._state}")
+        if not 0 < len(prompt) <= self.config.max_prompt_tokens:
+            raise BadRequest("prompt length out of range", path="$.prompt")
+        if not 0 <= max_tokens <= self.config.max_tokens:
+            raise BadRequest(f"at most {self.config.max_tokens} tokens", path="$.max_tokens")
+        keys = block_keys(scope_key, self.compat, prompt, self.descriptor.block_tokens)
+
+        async def prefill() -> EngineSequence:
+            return await self.engine.prefill(prompt, await self.held_prefix(scope, keys))
+
+        seq = await self._admit(prefill)
+        self._keep_computed(scope, keys, seq)
+        session = Session(self, seq, max_tokens)
+        session.keys = keys
+        return session
+
+    async def resume_session(
+        self,
+        loaded: Sequence[Container],
+        prefill: Sequence[int],
+        replay: Sequence[int],
+        max_tokens: int,
+        epoch: int,
+    ) -> Session:
+        """Admit a session moved here (§6.8): rebuild its context in the engine from loaded
+        blocks, a prefill and replayed output tokens, in one of the slots new sessions use.
+
+        Raises:
+            NotActive: the instance is not active (a resume is a new session here, §6.3).
+            KVSPError: the engine refused the context.
+        """
+        if self._state is not InstanceState.ACTIVE:
+            raise NotActive(f"the instance is {self._state}")
+
+        async def rebuild() -> EngineSequence:
+            return await self.engine.resume(loaded, prefill, replay)
+
+        return Session(self, await self._admit(rebuild), max_tokens, epoch)
+
+    async def _admit(self, start: Callable[[], Awaitable[EngineSequence]]) -> EngineSequence:
+        """Count a session in, wait for a slot and start its sequence; counted out again if
+        that fails."""
+        self._admitted += 1
+        running = False
+        try:
+            await self._slots.acquire()
+            self._running += 1
+            running = True
+            return await start()
+        except BaseException:
+            self._session_done(running=running)
+            raise
+
+    async def held_prefix(self, scope: ScopeId, keys: Sequence[BlockKey]) -> list[Container]:
+        """The leading blocks of ``keys`` held by the engine or the holder face (waiting for
+        those a directive is loading), up to the first one not held."""
+        found = self.engine.lookup(keys)
+        for key in keys[len(found) :]:
+            ref = BlockRef(self.compat, scope, key)
+            load = self._loads.get(ref)
+            if load is not None:  # a directive is loading it: worth the wait (§6.5 partial)
+                await asyncio.wait({load.task})
+            stored = self.holder.store.get(ref)
+            if stored is None or not stored.meta.complete:
+                break
+            found.append(decode_container(self.holder.store.read(stored), self.geometry))
+        return found
+
+    def _keep_computed(self, scope: ScopeId, keys: Sequence[BlockKey], seq: EngineSequence) -> None:
+        for block in seq.computed:
+            self.keep_block(scope, keys[block.index], block.container)
+
+    def keep_block(self, scope: ScopeId, key: BlockKey, data: bytes) -> None:
+        """Keep a block this instance computed in the engine and, in the background, in the
+        holder face's tiers, which publishes its replica (§6.1)."""
+        self.engine.hold(key, decode_container(data, self.geometry))
+        ref = BlockRef(self.compat, scope, key)
+        self._spawn(self._store(ref, data), f"kvsp-publish-{key.hex()[:8]}")
+
+    async def _store(self, ref: BlockRef, data: bytes) -> bool:
+        """Put a block in the holder's tiers, which publishes its replica (§6.1)."""
+        try:
+            await self.holder.put_block(self._principal, *ref, data)
+        except PreconditionFailed:
+            return True  # held already
+        except KVSPError as exc:
+            _log.warning("keeping block %s failed: %s", ref, exc)
+            return False
+        return True
+
+    def holds(self, ref: BlockRef) -> bool:
+        """Whether the engine or the holder face has the block."""
+        return ref in self.holder.store or bool(self.engine.lookup([ref.key]))
+
+    # -- prefetch (§6.5) -----------------------------------------------------------------------
+
+    def accept_directive(self, directive: PrefetchDirective) -> DirectiveProgress:
+        """Take a directive and load it in the background; the same directive again is the
+        same directive (idempotent).
+
+        Raises:
+            NotActive: the instance is not active (§6.3: the PC sends none then).
+            Incompatible: the directive's compat_id is not the engine's.
+            Conflict: a known directive id with another body.
+        """
+        if self._state is not InstanceState.ACTIVE:
+            raise NotActive(f"the instance is {self._state}")
+        if directive.compat_id != self.compat:
+            raise Incompatible("the directive's compat_id is not this instance's", path="$")
+        progress, new = self.directives.add(directive, self.clock.now_ms())
+        if new:
+            self._spawn(self._run_directive(progress), f"kvsp-directive-{directive.directive}")
+        return progress
+
+    async def wait_directive(self, progress: DirectiveProgress) -> None:
+        """Wait until the directive has stopped (for tests and orderly shutdown)."""
+        while not progress.final:
+            await asyncio.sleep(0.005)
+
+    async def _run_directive(self, progress: DirectiveProgress) -> None:
+        d = progress.directive
+        while not progress.final:  # blocks already held count at once
+            key = progress.keys[progress.next_index]
+            if not self.holds(BlockRef(d.compat_id, d.scope_id, key)):
+                break
+            progress.block_loaded(key)
+        if progress.final or progress.expire(self.clock.now_ms()):
+            return
+        try:
+            async with asyncio.timeout(progress.remaining_ms(self.clock.now_ms()) / 1000):
+                await self._load_directive(progress)
+        except TimeoutError:
+            progress.expire(max(self.clock.now_ms(), progress.deadline_at_ms))
+        except Exception:
+            _log.exception("directive %s failed", d.directive)
+            progress.abort("internal error")
+
+    async def _load_directive(self, progress: DirectiveProgress) -> None:
+        d = progress.directive
+        records = await self._records(d, progress.next_index)
+        window: deque[tuple[BlockKey, _KeyLoad | None]] = deque()
+        upcoming = progress.next_index
+        try:
+            while not progress.final:
+                while upcoming < len(d.blocks) and len(window) < self.config.prefetch_window:
+                    block = d.blocks[upcoming]
+                    upcoming += 1
+                    ref = BlockRef(d.compat_id, d.scope_id, block.block_key)
+                    load = None if self.holds(ref) else self._ticket(ref, block, records, d)
+                    window.append((block.block_key, load))
+                key, load = window[0]
+                ok, why = (True, "") if load is None else await self._outcome(load)
+                self._drop(window.popleft()[1])
+                if ok:
+                    progress.block_loaded(key)
+                else:
+                    progress.block_failed(key, why)
+                progress.expire(self.clock.now_ms())
+        finally:
+            for _, load in window:
+                self._drop(load)
+
+    async def _records(
+        self, d: PrefetchDirective, start: int
+    ) -> dict[tuple[BlockKey, str], ReplicaRecord]:
+        """The Replica Records of the directive's blocks by (key, holder base), from the IS."""
+        keys = tuple(b.block_key for b in d.blocks[start:])
+        out: dict[tuple[BlockKey, str], ReplicaRecord] = {}
+        for first in range(0, len(keys), LOOKUP_CHUNK):
+            chunk = keys[first : first + LOOKUP_CHUNK]
+            request = LookupRequest(scope_id=d.scope_id, compat_id=d.compat_id, block_keys=chunk)
+            try:
+                answer = await self.index.lookup(request)
+            except KVSPError as exc:
+                _log.warning("lookup for directive %s failed: %s", d.directive, exc)
+                break
+            for key, records in zip(chunk, answer.replicas or (), strict=False):
+                for record in records:
+                    with contextlib.suppress(UnsupportedHolder):
+                        out[(key, source_base(record))] = record
+            if answer.matched < len(chunk):
+                break  # chained keys: nothing after a miss is findable
+        return out
+
+    def _ticket(
+        self,
+        ref: BlockRef,
+        block: DirectiveBlock,
+        records: Mapping[tuple[BlockKey, str], ReplicaRecord],
+        d: PrefetchDirective,
+    ) -> _KeyLoad:
+        load = self._loads.get(ref)
+        if load is None:
+            task = asyncio.create_task(self._load_block(ref, block.sources, records, d.lease_ms))
+            load = _KeyLoad(task)
+            self._loads[ref] = load
+            self.loads_started += 1
+
+            def forget(_: object, ref: BlockRef = ref, load: _KeyLoad = load) -> None:
+                if self._loads.get(ref) is load:
+                    del self._loads[ref]
+
+            task.add_done_callback(forget)
+        load.waiters += 1
+        return load
+
+    def _drop(self, load: _KeyLoad | None) -> None:
+        if load is None:
+            return
+        load.waiters -= 1
+        if load.waiters <= 0 and not load.task.done():
+            load.task.cancel()  # no directive waits for it: stop loading (§6.5 deadline)
+
+    @staticmethod
+    async def _outcome(load: _KeyLoad) -> tuple[bool, str]:
+        try:
+            return await asyncio.shield(load.task)
+        except asyncio.CancelledError:
+            if load.task.cancelled():
+                return False, "cancelled"
+            raise
+
+    async def _load_block(
+        self,
+        ref: BlockRef,
+        sources: Sequence[str],
+        records: Mapping[tuple[BlockKey, str], ReplicaRecord],
+        lease_ms: int,
+    ) -> tuple[bool, str]:
+        """Load one block from the first source that delivers it verified."""
+        reasons = []
+        async with self._transfers:
+            for source in sources:
+                base = _base(source)
+                record = records.get((ref.key, base))
+                if record is None:
+                    reasons.append(f"{base}: no replica record")
+                    continue
+                try:
+                    block = await self._fetch(ref, base, record, lease_ms)
+                except KVSPError as exc:
+                    reasons.append(f"{base}: {exc.problem}")
+                    continue
+                if await self._place(ref, block):
+                    return True, ""
+                reasons.append("no room to keep it")
+                break
+        return False, "; ".join(reasons) or "no sources"
+
+    async def _fetch(
+        self, ref: BlockRef, base: str, record: ReplicaRecord, lease_ms: int
+    ) -> VerifiedBlock:
+        """Lease, GET and verify one block at one source (§6.6, §6.7); the lease is released
+        whatever happens (and expires at the source anyway)."""
+        lease_at = _base(record.lease_base or base)
+        request = LeaseRequest(
+            compat_id=ref.compat, scope_id=ref.scope, block_keys=(ref.key,), ttl_ms=lease_ms
+        )
+        began = time.perf_counter()
+        grant = await self.block_client.acquire_lease(lease_at, request)
+        self.links.record_rtt(base, time.perf_counter() - began)
+        try:
+            began = time.perf_counter()
+            block = await self.block_client.get_block(base, record, geometry=self.geometry)
+            octets = sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
+            self.links.record_transfer(base, octets, time.perf_counter() - began)
+            return block
+        finally:
+            try:
+                await self.block_client.release_lease(lease_at, grant.lease)
+            except KVSPError as exc:
+                _log.debug("releasing lease %s at %s: %s", grant.lease, lease_at, exc)
+
+    async def _place(self, ref: BlockRef, block: VerifiedBlock) -> bool:
+        """Keep a verified block in the engine and in the holder's tiers (publishing it)."""
+        held = self.engine.hold(ref.key, block)
+        stored = await self._store(ref, _octets(block))
+        return held or stored
+
+
+def _octets(block: Container) -> bytes:
+    """The container's octets: the received body itself when the layers are views of one
+    buffer holding exactly the container (no copy of a large block), else a new encoding."""
+    body = block.layers[0].k.obj if block.layers else None
+    header = block.header_bytes
+    size = len(header) + sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
+    if isinstance(body, bytearray) and len(body) == size and body.startswith(header):
+        return body  # type: ignore[return-value]  # bytearray: accepted wherever bytes is
+    return block.encode()

@@ -1,0 +1,346 @@
+"""An instance's (or holder's) MOQT session to its edge relay (DESIGN.md §1, §4; spec §4.4, §6.1).
+
+:class:`RelayLink` keeps one MOQT session to the relay, reconnecting after a loss. On it:
+
+* a :class:`~kvsp.transfer.moqt_publisher.MoqtBlockPublisher` answers the relay's FETCH and
+  SUBSCRIBE for the blocks of a :class:`~kvsp.transfer.moqt_publisher.BlockSource` (the
+  holder's store: :class:`HolderBlocks`);
+* every scope it has blocks of is PUBLISH_NAMESPACEd as the four-field prefix
+  ``("kvsp", "1", compat, scope)`` (DESIGN §4), so the relay routes a miss for any block of
+  the scope here; after a reconnect every scope is announced again;
+* every block handed to :meth:`RelayLink.push` is PUBLISHed as its stored track (name = the
+  replica digest; group 0, object = layer, one ascending subgroup stream, FIN, PUBLISH_DONE),
+  unless the relay already holds the whole track (TRACK_STATUS answers its Largest Location).
+  The relay caches what it receives and, being a holder, publishes its own Replica Record
+  (``moqt://`` holder, ``lease_base`` its HTTP face), so the block outlives this process.
+
+:class:`MirroringIndex` is the :class:`~kvsp.services.holder.service.ReplicaIndex` a
+:class:`~kvsp.services.holder.service.Holder` publishes through:
+every record still goes to the IS, and
+the first publication of each replica also pushes the block to the relay. The push happens in
+the background and never fails the publication: the IS record is authoritative (§6.1), the
+relay's copy an extra source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsp.errors import KVSPError
+from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.records import ReplicaRecord
+from kvsp.registries import Codec
+from kvsp.services.holder.service import Holder, ReplicaIndex
+from kvsp.stores.blocks import BlockRef, BlockStore
+from kvsp.transfer.moqt_client import MoqtBlockClient, parse_moqt_uri
+from kvsp.transfer.moqt_publisher import BlockSource, MemoryBlocks, MoqtBlockPublisher, StoredBlock
+from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError, connect
+from moqt.backend import TransportConfig, get_backend
+from moqt.namespace import KV_GROUP, kv_scope_prefix
+from moqt.wire import Location
+
+log = logging.getLogger(__name__)
+_Item = tuple[CompatId, ScopeId, BlockKey | None]  # a block to push, or (key None) a scope
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayLinkConfig:
+    """Where the relay is and how to reach it (``kvsp serve instance --relay``)."""
+
+    url: str
+    """The relay's ``moqt://host:port/`` URI."""
+    token: str | None = None
+    """Bearer token sent as the AUTHORIZATION TOKEN setup parameter (role instance/holder)."""
+    cafile: str | None = None
+    """PEM certificate(s) to pin (the relay's self-signed ``relay-tls/cert.pem``)."""
+    verify: bool = True
+    backend: str = "aioquic"
+    transport: TransportConfig | None = None
+    retry_s: float = 1.0
+    """Pause before reconnecting after a failed or lost session."""
+    timeout_s: float = 10.0
+    """Bound on the handshake and on each request."""
+
+
+class HolderBlocks:
+    """A :class:`BlockSource` over a holder's store: its complete raw-codec blocks."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+
+    async def lookup(self, compat: CompatId, scope: ScopeId, key: BlockKey) -> StoredBlock | None:
+        """The block when the store holds all of it in codec raw (DESIGN §4), else None."""
+        stored = self.store.get(BlockRef(compat, scope, key), touch=False)
+        if stored is None or not stored.meta.complete or stored.meta.codec != Codec.RAW:
+            return None
+        meta = stored.meta
+        return StoredBlock(
+            compat=compat,
+            scope=scope,
+            key=key,
+            container=self.store.container(stored),
+            layer_digests=meta.layer_digests,
+            digest=meta.digest,
+        )
+
+
+class RelayLink:
+    """One MOQT session to the relay (see the module docstring); ``start`` it, ``close`` it.
+
+    ``pushed`` counts the blocks sent to the relay, ``skipped`` those it already held.
+
+    Raises:
+        UnsupportedHolder: ``config.url`` is not a ``moqt://`` URI.
+    """
+
+    def __init__(self, config: RelayLinkConfig, blocks: BlockSource) -> None:
+        self.config = config
+        self.address = parse_moqt_uri(config.url)
+        self.blocks = blocks
+        self.pushed = 0
+        self.skipped = 0
+        self._scopes: dict[tuple[CompatId, ScopeId], None] = {}  # ordered set
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._pending: list[_Item] = []  # taken from the queue, not yet done (kept over a loss)
+        self._task: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def start(self) -> None:
+        """Connect in the background (and reconnect after every loss)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvsp-relay-link")
+
+    async def close(self) -> None:
+        """Close the session; pushes not yet done are dropped."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def announce(self, compat: CompatId, scope: ScopeId) -> None:
+        """Have the scope prefix announced to the relay (now, and after every reconnect)."""
+        self._put((compat, scope, None))
+
+    def push(self, compat: CompatId, scope: ScopeId, key: BlockKey) -> None:
+        """Publish the block to the relay in the background (announcing its scope first)."""
+        self._put((compat, scope, key))
+
+    async def idle(self) -> None:
+        """Wait until every push and announcement asked for so far is done."""
+        await self._idle.wait()
+
+    def _put(self, item: _Item) -> None:
+        self._idle.clear()
+        self._queue.put_nowait(item)
+
+    # --- the session --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._session()
+            except (OSError, TimeoutError, SessionClosedError, RequestRejected) as exc:
+                log.warning("relay link to %s: %s", self.config.url, exc)
+            except Exception:  # noqa: BLE001 - keep linking; the next session retries
+                log.exception("relay link to %s failed", self.config.url)
+                self._pending.clear()  # not the session's fault: do not retry that item
+            await asyncio.sleep(self.config.retry_s)
+
+    async def _session(self) -> None:
+        cfg, address = self.config, self.address
+        configuration = get_backend(cfg.backend).configuration(
+            is_client=True,
+            transport=cfg.transport or TransportConfig(),
+            cafile=cfg.cafile,
+            verify=cfg.verify,
+            server_name=address.host,
+        )
+        async with connect(
+            address.host,
+            address.port,
+            configuration=configuration,
+            backend=cfg.backend,
+            path=address.path,
+            auth_token=None if cfg.token is None else cfg.token.encode(),
+            transport=cfg.transport,
+            setup_timeout=cfg.timeout_s,
+        ) as connection:
+            publisher = MoqtBlockPublisher(connection, self.blocks)
+            serving = asyncio.create_task(publisher.serve())
+            try:
+                for compat, scope in list(self._scopes):
+                    await self._announce(publisher, compat, scope)
+                await self._work(connection, publisher)
+            finally:
+                serving.cancel()
+
+    async def _work(self, connection: MOQTConnection, publisher: MoqtBlockPublisher) -> None:
+        closed = asyncio.ensure_future(connection.wait_closed())
+        getter: asyncio.Future[_Item] | None = None
+        try:
+            while True:
+                if not self._pending:
+                    if self._queue.empty():
+                        self._idle.set()
+                    getter = asyncio.ensure_future(self._queue.get())
+                    await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        return  # the session ended
+                    self._pending.append(getter.result())
+                await self._do(connection, publisher, self._pending[0])
+                self._pending.pop(0)
+        finally:
+            closed.cancel()
+            if getter is not None and not getter.done():
+                getter.cancel()
+
+    async def _do(
+        self, connection: MOQTConnection, publisher: MoqtBlockPublisher, item: _Item
+    ) -> None:
+        compat, scope, key = item
+        if (compat, scope) not in self._scopes:
+            self._scopes[(compat, scope)] = None
+            await self._announce(publisher, compat, scope)
+        if key is None:
+            return
+        block = await self.blocks.lookup(compat, scope, key)
+        if block is None:
+            return  # evicted meanwhile: nothing to push
+        if await self._relay_holds(connection, block):
+            self.skipped += 1
+            return
+        try:
+            sent = await asyncio.wait_for(publisher.push(block), self.config.timeout_s * 6)
+        except RequestRejected as exc:  # e.g. not authorized for the scope: do not retry
+            log.warning("the relay refused block %s: %s", key.hex()[:16], exc)
+            return
+        except KVSPError as exc:
+            log.warning("block %s cannot be pushed: %s", key.hex()[:16], exc)
+            return
+        self.pushed += sent
+
+    async def _announce(
+        self, publisher: MoqtBlockPublisher, compat: CompatId, scope: ScopeId
+    ) -> None:
+        try:
+            await asyncio.wait_for(publisher.announce(compat, scope), self.config.timeout_s)
+        except RequestRejected as exc:
+            log.warning("the relay refused %r: %s", kv_scope_prefix(compat, scope), exc)
+
+    async def _relay_holds(self, connection: MOQTConnection, block: StoredBlock) -> bool:
+        """Whether the relay answers TRACK_STATUS with the block's last layer as Largest."""
+        try:
+            ok = await asyncio.wait_for(
+                connection.track_status(block.namespace, block.track_name), self.config.timeout_s
+            )
+        except RequestRejected:
+            return False
+        last = Location(KV_GROUP, len(block.layer_digests) - 1)
+        return ok.parameters.largest_object == last
+
+
+class MirroringIndex:
+    """A :class:`~kvsp.services.holder.service.ReplicaIndex` that publishes at ``inner`` (the
+    IS) and pushes each newly published replica to the relay through ``link``."""
+
+    def __init__(self, inner: ReplicaIndex, link: RelayLink) -> None:
+        self.inner = inner
+        self.link = link
+        self._mirrored: set[bytes] = set()  # replica digests already handed to the link
+
+    async def publish(self, record: ReplicaRecord, /) -> int:
+        """Publish at the IS, then mirror to the relay."""
+        granted = await self.inner.publish(record)
+        self._mirror(record)
+        return granted
+
+    async def publish_batch(self, records: Sequence[ReplicaRecord], /) -> list[int | KVSPError]:
+        """Publish at the IS, then mirror every record it accepted."""
+        outcomes = await self.inner.publish_batch(records)
+        for record, outcome in zip(records, outcomes, strict=False):
+            if not isinstance(outcome, KVSPError):
+                self._mirror(record)
+        return outcomes
+
+    async def withdraw(
+        self, compat: CompatId, scope: ScopeId, key: BlockKey, holder: str, /
+    ) -> bool:
+        """Withdraw at the IS (the relay keeps its copy and its own record)."""
+        return await self.inner.withdraw(compat, scope, key, holder)
+
+    def _mirror(self, record: ReplicaRecord) -> None:
+        if record.codec != Codec.RAW or record.digest in self._mirrored:
+            return
+        self._mirrored.add(record.digest)
+        self.link.push(record.compat_id, record.scope_id, record.block_key)
+
+
+# --- the command line (``kvsp serve instance``) ------------------------------------------------
+
+
+def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--relay URL`` and ``--relay-cafile PEM``."""
+    parser.add_argument(
+        "--relay",
+        metavar="URL",
+        help="edge relay (moqt://host:port/): announce scopes, publish computed blocks there",
+    )
+    parser.add_argument(
+        "--relay-cafile",
+        type=Path,
+        metavar="PEM",
+        help="pin this certificate for the relay and other moqt:// holders (relay-tls/cert.pem)",
+    )
+
+
+class RelayAttachment:
+    """What ``--relay``/``--relay-cafile`` add to a process with a holder face: a MOQT block
+    client for ``moqt://`` replicas, and (with ``--relay``) the link that mirrors the holder's
+    publications to the relay.
+
+    Raises:
+        UnsupportedHolder: ``--relay`` is not a ``moqt://`` URI.
+    """
+
+    def __init__(self, args: argparse.Namespace, token: str | None) -> None:
+        relay, cafile = getattr(args, "relay", None), getattr(args, "relay_cafile", None)
+        self.token = token
+        self.cafile = None if cafile is None else str(cafile)
+        self.link: RelayLink | None = None
+        if relay is not None:
+            config = RelayLinkConfig(url=relay, token=token, cafile=self.cafile)
+            self.link = RelayLink(config, MemoryBlocks())
+
+    def moqt_client(self) -> MoqtBlockClient:
+        """The client :class:`~kvsp.transfer.block_client.BlockClient` hands ``moqt://``
+        replicas to."""
+        return MoqtBlockClient(cafile=self.cafile, auth_token=self.token)
+
+    def index(self, index: ReplicaIndex) -> ReplicaIndex:
+        """The index the holder publishes through: mirrored to the relay with ``--relay``."""
+        return index if self.link is None else MirroringIndex(index, self.link)
+
+    def start(self, holder: Holder, stack: contextlib.AsyncExitStack) -> None:
+        """Serve the holder's blocks on the link and start it (closed with ``stack``)."""
+        if self.link is not None:
+            self.link.blocks = HolderBlocks(holder.store)
+            self.link.start()
+            stack.push_async_callback(self.link.close)
+
+
+__all__ = [
+    "HolderBlocks",
+    "MirroringIndex",
+    "RelayAttachment",
+    "RelayLink",
+    "RelayLinkConfig",
+    "add_relay_arguments",
+]

@@ -1,0 +1,126 @@
+"""Command-line plumbing shared by every ``kvsp serve …`` service (DESIGN.md §3 auth, TLS).
+
+Each service module exposes ``configure_parser(parser)`` to add its own options and
+``run(args) -> int`` to serve; this module adds the options they all share and turns them
+into a :class:`~kvsp.web.runner.ServeConfig` and a principals table.
+:func:`with_logging` wraps a service's ``run`` so that its logs go to stderr as JSON lines
+(``--log-format json``, the default for ``kvsp serve``) or plain text, at ``--log-level``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kvsp.errors import BadRequest
+from kvsp.web.auth import Principals, ensure_default_principals
+from kvsp.web.logs import LOG_FORMATS, configure_logging
+from kvsp.web.runner import ServeConfig
+
+DEFAULT_STATE = Path("state")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """Add ``--listen``, ``--state``, ``--principals``, ``--ready-file``, TLS and logging."""
+    parser.add_argument(
+        "--listen",
+        default=f"127.0.0.1:{default_port}",
+        metavar="HOST:PORT",
+        help=f"address to serve on; port 0 picks a free one (default 127.0.0.1:{default_port})",
+    )
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=DEFAULT_STATE,
+        metavar="DIR",
+        help="state folder (principals, admin token, disk tier, certificates); default ./state",
+    )
+    parser.add_argument(
+        "--principals",
+        type=Path,
+        metavar="FILE",
+        help="principals file (TOML); default: STATE/principals.toml, made with one admin token",
+    )
+    parser.add_argument("--ready-file", type=Path, metavar="FILE", help=argparse.SUPPRESS)
+    parser.add_argument("--cert", type=Path, metavar="PEM", help="TLS certificate")
+    parser.add_argument("--key", type=Path, metavar="PEM", help="TLS private key")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        metavar="LEVEL",
+        help="debug, info (one access record per request), warning (default), error",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="json",
+        help="stderr log records: one JSON object per line (default) or plain text",
+    )
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[::1]:PORT`` for IPv6).
+
+    Raises:
+        BadRequest: not of that form or the port is out of range.
+    """
+    host, sep, port_text = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise BadRequest(f"--listen: expected HOST:PORT, got {text!r}")
+    return host, int(port_text)
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The :class:`ServeConfig` the common options describe.
+
+    Raises:
+        BadRequest: bad ``--listen``, or only one of ``--cert``/``--key``.
+    """
+    host, port = parse_listen(args.listen)
+    if (args.cert is None) != (args.key is None):
+        raise BadRequest("--cert and --key go together")
+    return ServeConfig(
+        host=host,
+        port=port,
+        ready_file=args.ready_file,
+        ssl_certfile=args.cert,
+        ssl_keyfile=args.key,
+        log_level=args.log_level,
+    )
+
+
+def load_principals(args: argparse.Namespace) -> Principals:
+    """The principals of ``--principals``, or the embedded default's (made on first start).
+
+    With no principals file the service never runs open: it makes one with a single admin
+    token and says on stderr where the token is.
+
+    Raises:
+        BadRequest: the file is malformed.
+    """
+    if args.principals is not None:
+        return Principals.load(args.principals)
+    path, token_path = ensure_default_principals(args.state)
+    print(f"kvsp: principals {path}; admin token in {token_path}", file=sys.stderr)
+    return Principals.load(path)
+
+
+def with_logging(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run`` preceded by :func:`~kvsp.web.logs.configure_logging` from ``--log-format``
+    and ``--log-level`` (what ``kvsp serve`` runs for each service).
+
+    Raises:
+        BadRequest: an unknown log level (from the wrapped handler).
+    """
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            configure_logging(args.log_format, args.log_level)
+        except ValueError as exc:
+            raise BadRequest(f"--log-level: {exc}") from None
+        return run(args)
+
+    return handler

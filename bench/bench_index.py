@@ -54,12 +54,11 @@ import orjson
 import redis
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
-from kvsp.index import IndexService
+from kvsp.index import IndexService, holder_id_of
 from kvsp.records import InstanceStatusRecord, Link, LookupRequest, ReplicaRecord, Residency, dumps
 from kvsp.registries import InstanceState, Tier
 from kvsp.services.index.app import PrincipalCaller
 from kvsp.services.index.client import IndexClient
-from kvsp.stores.base import holder_id_of
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.auth import Principal, principal_entry, write_principals
 from kvsp.web.testing import start_process

@@ -50,8 +50,8 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState, Tier
 from kvsp.services.control import LocalIndex
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.pc.service import PCConfig, PlacementController
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.clock import ManualClock
 

@@ -1,10 +1,11 @@
 """The Index Service logic (spec §6.1 publishing and withdrawing, §6.2 lookup, §6.3 status epochs
 as the IS keeps them, §6.4 estimates for lookup targets; DESIGN.md §3, §7 compact answers).
 
-Sans-I/O: :class:`IndexService` works over a :class:`~kvsp.stores.base.ReplicaStore`, takes
-``now_ms`` as an argument and asks a :class:`Caller` what the authenticated party may do, so the
-rules of who may do what stay in one place (the service shell's auth module). Methods are
-``async`` only because stores may be remote.
+Sans-I/O: :class:`IndexService` works over a :class:`ReplicaStore` (the protocol is defined
+here, :mod:`kvsp.stores` implements it), takes ``now_ms`` as an argument and asks a
+:class:`Caller` what the authenticated party may do, so the rules of who may do what stay in
+one place (the service shell's auth module). Methods are ``async`` only because stores may be
+remote.
 
 Authorization never leaks: a lookup in a scope the caller may not use is answered exactly like a
 miss in a scope holding nothing (§6.2 "MUST NOT return replicas of a scope for which the client
@@ -14,14 +15,15 @@ is not authorized").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.errors import BadRequest, Forbidden, KVSPError, PayloadTooLarge, StaleEpoch
-from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
 from kvsp.placement import estimate_targets
 from kvsp.records import (
     InstanceStatusRecord,
@@ -31,7 +33,6 @@ from kvsp.records import (
     StateAnswer,
     TargetEstimate,
 )
-from kvsp.stores.base import ReplicaStore, StoredReplica, holder_id_of
 
 DEFAULT_MAX_LOOKUP_KEYS = 65_536
 """Keys per lookup: a 1M-token prompt at B=16. The request is ~4.4 MB of JSON; a full answer
@@ -39,6 +40,109 @@ grows by ~2.7 KB per replica of 32 layers, which is why compact answers exist (D
 HINT_IDS = 3
 """Compat ids a hint lists before "(+N more)", keeping it under the 1,024-character limit."""
 _DESCRIPTOR_ADVICE = "check the model, tokenizer, adapters, kv_dtype and block_tokens"
+
+
+StoredReplica = tuple[ReplicaRecord, int]
+"""A stored record with its absolute expiry time in milliseconds."""
+
+
+@functools.lru_cache(maxsize=65536)
+def holder_id_of(uri: str) -> bytes:
+    """The 16 octets that name a holder URI in paths and in the store (``uri_id``, DESIGN §3);
+    cached, since a few holders publish most records."""
+    return bytes.fromhex(uri_id(uri))
+
+
+class ReplicaStore(Protocol):
+    """Replica records with expiry, and the latest instance status records (§6.1–6.3): what
+    the IS keeps, in memory or in Redis (:mod:`kvsp.stores`).
+
+    Narrow on purpose, so that a Redis store answers each call in one round trip: a lookup
+    is one call for the whole prompt, not one per key. Identifiers are raw octets; a replica
+    is stored under ``(compat_id, scope_id, block_key, holder_id)`` where ``holder_id`` is
+    :func:`holder_id_of` its holder, because a withdrawal names the holder only by that id.
+    Expiry is absolute milliseconds on the caller's clock: a record is live while
+    ``now_ms < expires_ms``.
+    """
+
+    async def put(self, record: ReplicaRecord, expires_ms: int) -> None:
+        """Store or refresh ``record`` (its holder's entry for its key) until ``expires_ms``."""
+        ...
+
+    async def put_many(self, items: Sequence[StoredReplica]) -> None:
+        """Store or refresh several records at once (one round trip)."""
+        ...
+
+    async def delete(self, compat_id: bytes, scope_id: bytes, key: bytes, holder_id: bytes) -> bool:
+        """Remove one holder's record for a key; whether there was one."""
+        ...
+
+    async def lookup(
+        self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], now_ms: int
+    ) -> list[list[StoredReplica]]:
+        """The live records of the leading ``keys``, one non-empty list per key, stopping at
+        the first key without a live record (§6.2: keys are chained)."""
+        ...
+
+    async def compats_with_key(self, scope_id: bytes, key: bytes, now_ms: int) -> set[bytes]:
+        """The Compatibility IDs under which ``key`` has a live record in ``scope_id``."""
+        ...
+
+    async def compats_in_scope(self, scope_id: bytes, now_ms: int) -> set[bytes]:
+        """The Compatibility IDs with at least one live record in ``scope_id``."""
+        ...
+
+    async def sweep(self, now_ms: int, max_items: int) -> int:
+        """Remove expired records, examining at most ``max_items`` expiry entries; returns how
+        many records were removed. Bounded, so a caller can interleave it with requests."""
+        ...
+
+    async def count(self) -> int:
+        """How many replica records are stored (expired ones not yet swept included)."""
+        ...
+
+    async def put_status(self, record: InstanceStatusRecord, expires_ms: int) -> bool:
+        """Store an instance's status until ``expires_ms``; ``False`` (and nothing stored) when
+        its epoch is lower than the highest seen for that instance (§6.3)."""
+        ...
+
+    async def statuses(self, instances: Sequence[str], now_ms: int) -> list[InstanceStatusRecord]:
+        """The live status records of those of ``instances`` that have one, in that order."""
+        ...
+
+
+HolderCensus = tuple[str, int, int]
+"""One holder's share of the live records: its URI, how many records, their total ``size``."""
+
+
+@runtime_checkable
+class ReplicaCensus(Protocol):
+    """A store that can count its live records per holder, for operators (``GET replicas``
+    at the IS, ``kvsp status``). Optional: the IS offers the route only over a store that
+    has it."""
+
+    async def holders(self, now_ms: int) -> list[HolderCensus]:
+        """Every holder with a live record: ``(holder, records, octets)``, by holder URI."""
+        ...
+
+
+class ReplicaIndex(Protocol):
+    """The Index Service as a publisher sees it (§6.1): what a holder needs of it.
+    :class:`~kvsp.services.index.client.IndexClient` provides it over HTTP."""
+
+    async def publish(self, record: ReplicaRecord, /) -> int:
+        """Publish or refresh a record (§6.1); returns the granted TTL in ms."""
+        ...
+
+    async def publish_batch(self, records: Sequence[ReplicaRecord], /) -> list[int | KVSPError]:
+        """Publish or refresh several records; per record, the granted TTL or its error."""
+        ...
+
+    async def withdraw(
+        self, compat: CompatId, scope: ScopeId, key: BlockKey, holder: str, /
+    ) -> bool:
+        """Withdraw a record (§6.1); whether one was there."""
+        ...
 
 
 class Caller(Protocol):

@@ -40,9 +40,8 @@ from cryptography import x509
 
 from kvsp.errors import BadRequest, KVSPError
 from kvsp.leases import LeaseQuota
-from kvsp.services.holder.app import parse_size
 from kvsp.web.auth import Principals
-from kvsp.web.cliargs import add_common_arguments, load_principals, parse_listen
+from kvsp.web.cliargs import add_common_arguments, load_principals, parse_listen, parse_size
 from kvsp.web.clock import SystemClock
 from kvsp.web.runner import write_ready_file
 from moqt.backend import BACKENDS

@@ -15,7 +15,7 @@ import pytest
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.errors import BadRequest, Forbidden, KVSPError, PayloadTooLarge, StaleEpoch
 from kvsp.ids import BlockKey, CompatId, ScopeId
-from kvsp.index import IndexService, LookupResult, ReplicaPath
+from kvsp.index import IndexService, LookupResult, ReplicaPath, holder_id_of
 from kvsp.placement import estimate_targets
 from kvsp.records import (
     InstanceStatusRecord,
@@ -25,7 +25,6 @@ from kvsp.records import (
     Residency,
 )
 from kvsp.registries import InstanceState, Tier
-from kvsp.stores.base import holder_id_of
 from kvsp.stores.memory import MemoryStore
 
 T = TypeVar("T")

@@ -58,7 +58,7 @@ from kvsp.records import (
     loads,
     parse_reshard_message,
 )
-from kvsp.services.instance.app import GenerateRequest
+from kvsp.services.instance import GenerateRequest
 from kvsp.web.http import parse_json
 from moqt.errors import MOQTError
 from moqt.messages import (

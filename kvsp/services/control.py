@@ -20,10 +20,10 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 
 from kvsp.compat import CompatibilityDescriptor
-from kvsp.index import Caller, DescriptorSource, IndexService
+from kvsp.index import Caller, DescriptorSource, IndexService, ReplicaStore
 from kvsp.lifecycle import InstanceRegistry, SleepPolicy
 from kvsp.records import InstanceStatusRecord, LookupRequest, ReplicaRecord
-from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes
+from kvsp.services.descriptors import descriptor_routes
 from kvsp.services.index.app import (
     IndexConfig,
     Lifespan,
@@ -46,7 +46,7 @@ from kvsp.services.pc.app import (
 )
 from kvsp.services.pc.reshard import coordinator_for, reshard_routes
 from kvsp.services.pc.service import InstancePeers, PCConfig, PlacementController, ScaleUpHook
-from kvsp.stores.base import ReplicaStore
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.sessions import SessionStore
 from kvsp.web.auth import Principals
 from kvsp.web.cliargs import load_principals, serve_config

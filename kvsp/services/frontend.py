@@ -43,9 +43,9 @@ from kvsp.ids import CompatId, ScopeId, parse_compat_id, parse_scope_id
 from kvsp.keys import block_keys
 from kvsp.keys import scope_id as scope_id_of
 from kvsp.records import PlaceRequest
-from kvsp.services.descriptors import read_descriptor_file
 from kvsp.services.index.client import IndexClient
 from kvsp.services.pc.client import PCClient, SessionView
+from kvsp.stores.descriptors import read_descriptor_file
 from kvsp.web.client import TransportError, problem_error
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
 

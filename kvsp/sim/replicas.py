@@ -16,11 +16,10 @@ from typing import Any, TypeVar
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.errors import KVSPError
 from kvsp.ids import BlockKey, CompatId, ScopeId
-from kvsp.index import IndexService, ReplicaPath
+from kvsp.index import IndexService, ReplicaPath, holder_id_of
 from kvsp.keys import scope_id
 from kvsp.records import LookupRequest, ReplicaRecord, Residency
 from kvsp.sim.config import ClusterConfig
-from kvsp.stores.base import holder_id_of
 from kvsp.stores.memory import MemoryStore
 
 T = TypeVar("T")

@@ -27,8 +27,8 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from kvsp.fields import UINT64_MAX as _UINT64_MAX
+from kvsp.index import HolderCensus, StoredReplica, holder_id_of
 from kvsp.records import InstanceStatusRecord, ReplicaRecord
-from kvsp.stores.base import HolderCensus, StoredReplica, holder_id_of
 
 _Holders = dict[bytes, StoredReplica]
 _Group = dict[bytes, _Holders]
@@ -43,7 +43,7 @@ def _any_live(holders: Iterable[StoredReplica], now_ms: int) -> bool:
 
 
 class MemoryStore:
-    """A :class:`~kvsp.stores.base.ReplicaStore` in this process's memory (single event loop;
+    """A :class:`~kvsp.index.ReplicaStore` in this process's memory (single event loop;
     every method runs to completion without awaiting)."""
 
     def __init__(self) -> None:
@@ -179,7 +179,7 @@ class MemoryStore:
         return self._count
 
     async def holders(self, now_ms: int) -> list[HolderCensus]:
-        """Live records and octets per holder (:class:`~kvsp.stores.base.ReplicaCensus`): one
+        """Live records and octets per holder (:class:`~kvsp.index.ReplicaCensus`): one
         pass over every record, so an operator's call, not one for each request."""
         tally: dict[str, tuple[int, int]] = {}
         for group in self._groups.values():

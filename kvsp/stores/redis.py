@@ -47,9 +47,10 @@ import redis.asyncio as aioredis
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.errors import BadRequest, RecordError
 from kvsp.ids import CompatId
+from kvsp.index import StoredReplica, holder_id_of
 from kvsp.records import InstanceStatusRecord, ReplicaRecord, dumps, loads
-from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.stores.base import StoredReplica, StoreUnavailable, holder_id_of
+from kvsp.stores.base import StoreUnavailable
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.redis_lua import SCRIPTS
 from kvsp.stores.redis_records import (
     EXPIRY_DIGITS,
@@ -103,7 +104,7 @@ def parse_store_url(url: str) -> tuple[str, str]:
 
 
 class RedisStore:
-    """A :class:`~kvsp.stores.base.ReplicaStore` in Redis, shared by any number of IS
+    """A :class:`~kvsp.index.ReplicaStore` in Redis, shared by any number of IS
     processes; see the module docstring for the key layout.
 
     ``url`` is a redis-py URL (``redis://host:port/db``); keys live under ``prefix:``;

@@ -18,9 +18,9 @@ import struct
 from collections import OrderedDict
 
 from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.index import StoredReplica
 from kvsp.records import ReplicaRecord, Residency
 from kvsp.registries import Tier
-from kvsp.stores.base import StoredReplica
 
 EXPIRY_DIGITS = 15
 """Expiry times in key values: ms since the epoch, zero-padded (good until year 33658)."""

@@ -39,6 +39,7 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
 from kvsp.errors import Conflict, NotFound
+from kvsp.index import holder_id_of
 from kvsp.records_session import SessionCheckpoint
 from kvsp.sessions import (
     FINAL,
@@ -48,7 +49,7 @@ from kvsp.sessions import (
     advance_epoch,
     settle,
 )
-from kvsp.stores.base import StoreUnavailable, holder_id_of
+from kvsp.stores.base import StoreUnavailable
 from kvsp.stores.redis import DEFAULT_PREFIX, parse_store_url
 from kvsp.stores.sessions import LIVE
 

@@ -14,9 +14,8 @@
   The relay caches what it receives and, being a holder, publishes its own Replica Record
   (``moqt://`` holder, ``lease_base`` its HTTP face), so the block outlives this process.
 
-:class:`MirroringIndex` is the :class:`~kvsp.services.holder.service.ReplicaIndex` a
-:class:`~kvsp.services.holder.service.Holder` publishes through:
-every record still goes to the IS, and
+:class:`MirroringIndex` is the :class:`~kvsp.index.ReplicaIndex` a
+:class:`~kvsp.services.holder.Holder` publishes through: every record still goes to the IS, and
 the first publication of each replica also pushes the block to the relay. The push happens in
 the background and never fails the publication: the IS record is authoritative (§6.1), the
 relay's copy an extra source.
@@ -34,9 +33,9 @@ from pathlib import Path
 
 from kvsp.errors import KVSPError
 from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.index import ReplicaIndex
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
-from kvsp.services.holder.service import Holder, ReplicaIndex
 from kvsp.stores.blocks import BlockRef, BlockStore
 from kvsp.transfer.moqt_client import MoqtBlockClient, parse_moqt_uri
 from kvsp.transfer.moqt_publisher import BlockSource, MemoryBlocks, MoqtBlockPublisher, StoredBlock
@@ -248,7 +247,7 @@ class RelayLink:
 
 
 class MirroringIndex:
-    """A :class:`~kvsp.services.holder.service.ReplicaIndex` that publishes at ``inner`` (the
+    """A :class:`~kvsp.index.ReplicaIndex` that publishes at ``inner`` (the
     IS) and pushes each newly published replica to the relay through ``link``."""
 
     def __init__(self, inner: ReplicaIndex, link: RelayLink) -> None:
@@ -328,10 +327,11 @@ class RelayAttachment:
         """The index the holder publishes through: mirrored to the relay with ``--relay``."""
         return index if self.link is None else MirroringIndex(index, self.link)
 
-    def start(self, holder: Holder, stack: contextlib.AsyncExitStack) -> None:
-        """Serve the holder's blocks on the link and start it (closed with ``stack``)."""
+    def start(self, store: BlockStore, stack: contextlib.AsyncExitStack) -> None:
+        """Serve the blocks of the holder's ``store`` on the link and start it (closed with
+        ``stack``)."""
         if self.link is not None:
-            self.link.blocks = HolderBlocks(holder.store)
+            self.link.blocks = HolderBlocks(store)
             self.link.start()
             stack.push_async_callback(self.link.close)
 

@@ -10,6 +10,7 @@ into a :class:`~kvsp.web.runner.ServeConfig` and a principals table.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +72,23 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
         raise BadRequest(f"--listen: expected HOST:PORT, got {text!r}")
     return host, int(port_text)
+
+
+_SIZE = re.compile(r"([0-9]+)\s*([KMGT]i?B|B)?", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Octets from ``2GiB``, ``512MB``, ``4096``.
+
+    Raises:
+        argparse.ArgumentTypeError: not of that form.
+    """
+    found = _SIZE.fullmatch(text.strip())
+    if found is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB or 512MB, got {text!r}")
+    return int(found.group(1)) * _UNITS[(found.group(2) or "").upper()]
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

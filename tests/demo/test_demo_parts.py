@@ -27,8 +27,8 @@ from kvsp.demo.procs import ClusterError, ProcessGroup
 from kvsp.demo.scenario import BackgroundGeneration
 from kvsp.demo.summary import Figures, print_report
 from kvsp.records import ReplicaRecord
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.index.app import IndexConfig, create_index_app
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.clock import ManualClock

@@ -27,8 +27,8 @@ from kvsp.container import (
 from kvsp.container_reader import ContainerReader
 from kvsp.errors import BadRequest, ContainerError, KVSPError, PayloadTooLarge, RecordError
 from kvsp.records import loads
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.index.app import IndexConfig, create_index_app
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.clock import ManualClock

@@ -34,7 +34,6 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.control import LocalIndex, create_control_app
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.holder.app import create_holder_app
 from kvsp.services.holder.service import Holder, HolderConfig
 from kvsp.services.index.app import IndexConfig, create_index_app
@@ -42,6 +41,7 @@ from kvsp.services.instance.app import create_instance_app
 from kvsp.services.instance.service import InstanceAgent, InstanceConfig
 from kvsp.services.pc.app import create_pc_app
 from kvsp.services.pc.service import PCConfig, PlacementController
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.transfer.block_client import BlockClient
 from kvsp.web.auth import Principals, principal_entry

@@ -21,11 +21,7 @@ from starlette.routing import BaseRoute
 from kvsp.container import Geometry
 from kvsp.services.instance.reshard import HttpRangeFetcher, ShardHolder
 from kvsp.services.instance.reshard import reshard_routes as instance_routes
-from kvsp.services.pc.reshard import (
-    HttpReshardPeers,
-    ReshardConfig,
-    ShardCoordinator,
-)
+from kvsp.services.pc.reshard import HttpReshardPeers, ReshardConfig, ShardCoordinator
 from kvsp.services.pc.reshard import reshard_routes as pc_routes
 from kvsp.stores.shardmaps import MemoryShardMaps
 from kvsp.web.auth import Principals, principal_entry

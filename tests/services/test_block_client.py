@@ -532,8 +532,8 @@ def test_slice_body_refuses_what_verification_refuses(paired: bool) -> None:
 
 
 def test_parts_response_sends_each_part_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvsp.services.holder import app as holder_app  # noqa: PLC0415 - the server side
-    from kvsp.services.holder.app import PartsResponse  # noqa: PLC0415
+    from kvsp.web import responses  # noqa: PLC0415 - the server side
+    from kvsp.web.responses import PartsResponse  # noqa: PLC0415
 
     sent: list[dict[str, Any]] = []
 
@@ -561,7 +561,7 @@ def test_parts_response_sends_each_part_once(monkeypatch: pytest.MonkeyPatch) ->
     run(PartsResponse([], headers={"content-length": "0"}, media_type="x/y")({}, receive, send))
     assert sent[1] == {"type": "http.response.body", "body": b""}
     sent.clear()
-    monkeypatch.setattr(holder_app, "SEND_SLICE", 2)  # a part beyond it goes in slices
+    monkeypatch.setattr(responses, "SEND_SLICE", 2)  # a part beyond it goes in slices
     run(PartsResponse([b"abcde"], headers={}, media_type="x/y")({}, receive, send))
     assert [bytes(m["body"]) for m in sent[1:]] == [b"ab", b"cd", b"e"]
     assert [m["more_body"] for m in sent[1:]] == [True, True, False]

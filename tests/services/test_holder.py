@@ -28,9 +28,9 @@ from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.leases import LeaseQuota as QuotaConfig
 from kvsp.records import LeaseRenewal, LeaseRequest, ReplicaRecord
 from kvsp.registries import Tier
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.holder.service import OFFLOAD_BYTES, Holder, HolderConfig
 from kvsp.stores.blocks import BlockRef, InsufficientStorage
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.web.auth import Principal
 from kvsp.web.client import TransportError
 from kvsp.web.clock import ManualClock

@@ -16,11 +16,11 @@ from kvsp.container import Geometry, decode_container, encode_container
 from kvsp.errors import BadRequest
 from kvsp.leases import LeaseQuota
 from kvsp.registries import Tier
-from kvsp.services.descriptors import DescriptorRegistry
-from kvsp.services.holder.app import configure_parser, create_holder_app, holder_config, parse_size
+from kvsp.services.holder.app import configure_parser, create_holder_app, holder_config
 from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.web.auth import Principals, principal_entry
-from kvsp.web.cliargs import add_common_arguments
+from kvsp.web.cliargs import add_common_arguments, parse_size
 from kvsp.web.clock import ManualClock
 from kvsp.web.testing import InProcessClient
 

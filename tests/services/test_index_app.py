@@ -21,6 +21,7 @@ import pytest
 from kvsp import errors
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
+from kvsp.index import ReplicaStore
 from kvsp.records import (
     InstanceStatusRecord,
     Link,
@@ -29,10 +30,9 @@ from kvsp.records import (
     Residency,
 )
 from kvsp.registries import InstanceState, Tier
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.index.app import IndexConfig, create_index_app, index_lifespan
 from kvsp.services.index.client import IndexClient
-from kvsp.stores.base import ReplicaStore
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.client import (

@@ -38,7 +38,6 @@ from kvsp.records import (
     StateAnswer,
 )
 from kvsp.registries import DirectiveState, InstanceState, Tier
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.holder.service import Holder, HolderConfig
 from kvsp.services.instance.service import (
     EpochStore,
@@ -48,6 +47,7 @@ from kvsp.services.instance.service import (
     next_epoch,
 )
 from kvsp.stores.blocks import BlockRef
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.transfer.block_client import BlockClient, VerifiedBlock
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.clock import ManualClock

@@ -30,10 +30,11 @@ from kvsp.records import (
     StateAnswer,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.holder.service import Holder, HolderConfig
-from kvsp.services.instance.app import GenerateRequest, create_instance_app
+from kvsp.services.instance.app import create_instance_app
+from kvsp.services.instance.requests import GenerateRequest
 from kvsp.services.instance.service import InstanceAgent, InstanceConfig
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.transfer.block_client import BlockClient
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.clock import ManualClock

@@ -39,18 +39,13 @@ from kvsp.records import (
     SessionCheckpoint,
     StateAnswer,
 )
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.holder.service import Holder, HolderConfig
 from kvsp.services.instance.app import create_instance_app
+from kvsp.services.instance.requests import read_sampling
 from kvsp.services.instance.service import InstanceAgent, InstanceConfig
-from kvsp.services.instance.sessions import (
-    InstanceSessions,
-    LiveSession,
-    LiveState,
-    SessionConfig,
-    read_sampling,
-)
+from kvsp.services.instance.sessions import InstanceSessions, LiveSession, LiveState, SessionConfig
 from kvsp.services.pc.client import SessionView
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.transfer.block_client import BlockClient
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.clock import ManualClock

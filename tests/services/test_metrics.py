@@ -19,10 +19,10 @@ from starlette.routing import Route
 
 from kvsp.compat import compat_id
 from kvsp.container import encode_container
+from kvsp.index import holder_id_of
 from kvsp.keys import block_keys
 from kvsp.records import InstanceStatusRecord, ReplicaRecord
 from kvsp.registries import InstanceState
-from kvsp.stores.base import holder_id_of
 from kvsp.web.testing import InProcessClient, start_process
 from moqt.certs import make_self_signed
 

@@ -40,7 +40,7 @@ from kvsp.records import (
     ShardMap,
     StateAnswer,
 )
-from kvsp.services.instance.app import GenerateRequest
+from kvsp.services.instance.requests import GenerateRequest
 from kvsp.web.openapi import OPERATIONS, SCHEMAS, openapi_document, undocumented_routes
 from kvsp.web.testing import InProcessClient
 

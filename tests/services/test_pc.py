@@ -40,7 +40,6 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.control import LocalIndex
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.pc.app import CommandHook, UrlHook, scale_up_hook
 from kvsp.services.pc.service import (
     NoInstance,
@@ -49,6 +48,7 @@ from kvsp.services.pc.service import (
     ScaleUpHook,
     UpstreamRefused,
 )
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.client import TransportError
 from kvsp.web.clock import ManualClock

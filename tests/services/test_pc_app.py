@@ -24,10 +24,10 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.control import create_control_app
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.index.app import IndexConfig
 from kvsp.services.pc.client import PCClient
 from kvsp.services.pc.service import PCConfig
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.client import TransportError

@@ -28,8 +28,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvsp.engine.shards import container_parts, gather_sets, seeded_kv, token_bytes
 from kvsp.errors import BadRequest
 from kvsp.records_shard import ReshardFetch, ReshardPlan, Shard, ShardMap
+from kvsp.reshard import plan_reshard
 from kvsp.services.instance.reshard import ShardHolder
-from kvsp.services.pc.reshard import ReshardConfig, plan_reshard
+from kvsp.services.pc.reshard import ReshardConfig
 from kvsp.stores.shardmaps import BeginOutcome, MemoryShardMaps, ShardMapStore
 from kvsp.web.auth import Principals
 from kvsp.web.clock import ManualClock

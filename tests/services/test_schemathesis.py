@@ -42,8 +42,8 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from kvsp.compat import compat_id
 from kvsp.container import encode_container
+from kvsp.index import holder_id_of
 from kvsp.keys import block_keys
-from kvsp.stores.base import holder_id_of
 from kvsp.web.testing import start_process
 
 HELPERS = Path(__file__).resolve().parent / "operations_for_tests.py"

@@ -38,7 +38,6 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.control import LocalIndex, create_control_app
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.index.app import IndexConfig
 from kvsp.services.pc.service import PCConfig, PlacementController
 from kvsp.services.pc.sessions import SessionService, SessionSettings
@@ -50,6 +49,7 @@ from kvsp.sessions import (
     new_session,
     plan_resume,
 )
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.stores.sessions import MemorySessionStore, SessionStore
 from kvsp.web.auth import Principals, principal_entry

@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 import pytest
 
 from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.index import ReplicaStore, holder_id_of
 from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord, Residency
 from kvsp.registries import InstanceState, Tier
-from kvsp.stores.base import ReplicaStore, holder_id_of
 from kvsp.stores.memory import HEAP_SLACK, MemoryStore
 
 T = TypeVar("T")

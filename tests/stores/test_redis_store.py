@@ -25,6 +25,7 @@ import redis  # noqa: E402
 from kvsp.compat import CompatibilityDescriptor, compat_id  # noqa: E402
 from kvsp.errors import BadRequest  # noqa: E402
 from kvsp.ids import BlockKey, CompatId, ScopeId  # noqa: E402
+from kvsp.index import holder_id_of  # noqa: E402
 from kvsp.records import (  # noqa: E402
     InstanceStatusRecord,
     LookupRequest,
@@ -33,9 +34,9 @@ from kvsp.records import (  # noqa: E402
     dumps,
 )
 from kvsp.registries import InstanceState, Tier  # noqa: E402
-from kvsp.services.descriptors import DescriptorRegistry  # noqa: E402
 from kvsp.services.index.app import IndexConfig, create_index_app  # noqa: E402
-from kvsp.stores.base import StoreUnavailable, holder_id_of  # noqa: E402
+from kvsp.stores.base import StoreUnavailable  # noqa: E402
+from kvsp.stores.descriptors import DescriptorRegistry  # noqa: E402
 from kvsp.stores.redis import (  # noqa: E402
     RecordCache,
     RedisStore,

@@ -6,7 +6,7 @@ Routes (relative to the holder's base URL):
 * ``GET blocks/{compat}/{scope}/{key}`` (``?layers=a-b``, ``?codec=n``): the container as
   ``application/kvsp-block`` with ``Content-Length``, ``Repr-Digest`` (RFC 9530) and
   ``Cache-Control: private, immutable, max-age=<remaining record TTL in s>``, sent from the
-  stored octets without a copy (:class:`PartsResponse`).
+  stored octets without a copy (:class:`~kvsp.web.responses.PartsResponse`).
 * ``PUT blocks/{compat}/{scope}/{key}`` with ``If-None-Match: *`` (missing or another value:
   428): 201 with the Replica Record; an optional ``Repr-Digest``/``Content-Digest`` is verified.
   Scope, an existing copy (412) and the descriptor are checked before the body is read.
@@ -23,25 +23,26 @@ import argparse
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from kvsp.errors import BadRequest, KVSPError, NotFound
 from kvsp.ids import parse_block_key, parse_compat_id, parse_scope_id
+from kvsp.index import ReplicaIndex
 from kvsp.leases import LeaseQuota
 from kvsp.records import LeaseRenewal, LeaseRequest
 from kvsp.registries import Tier
-from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes
-from kvsp.services.holder.service import Holder, HolderConfig, ReplicaIndex
+from kvsp.services.descriptors import descriptor_routes
+from kvsp.services.holder.service import Holder, HolderConfig
 from kvsp.stores.blocks import BlockRef, DeviceBackend, cuda_backend
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.web.auth import Principals, principal_of
-from kvsp.web.cliargs import load_principals, serve_config
+from kvsp.web.cliargs import load_principals, parse_size, serve_config
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import (
     UnsupportedMediaType,
@@ -56,14 +57,13 @@ from kvsp.web.http import (
 )
 from kvsp.web.metrics import observe_bytes
 from kvsp.web.problems import install_problem_handlers, kvsp_json
+from kvsp.web.responses import PartsResponse
 from kvsp.web.runner import ServeConfig, serve_async
 
 BLOCK_MEDIA_TYPE = "application/kvsp-block"
 PUT_MEDIA_TYPES = frozenset({BLOCK_MEDIA_TYPE, "application/octet-stream"})
 JSON_LIMIT = 1 << 20
 """Largest lease body: a million octets holds thousands of block keys."""
-SEND_SLICE = 4 << 20
-"""A GET body is handed to the server in slices this large, so its write buffer stays bounded."""
 _LEASE_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
@@ -95,45 +95,6 @@ def _query(request: Request, name: str) -> str | None:
     if len(values) > 1:
         raise BadRequest(f"query parameter {name!r} given more than once", path=name)
     return values[0] if values else None
-
-
-def _send_pieces(parts: Sequence[bytes | memoryview]) -> Iterator[bytes | memoryview]:
-    for part in parts:
-        view = memoryview(part)
-        if len(view) <= SEND_SLICE:
-            yield part
-            continue
-        for at in range(0, len(view), SEND_SLICE):
-            yield view[at : at + SEND_SLICE]
-
-
-class PartsResponse(Response):
-    """A response whose body is ``parts`` sent as they are, one ASGI body message each (parts
-    beyond :data:`SEND_SLICE` in slices of it), with no copy and none of
-    :class:`StreamingResponse`'s task and generator machinery: a stored 2 MiB block is one
-    ``transport.write`` of its memory. Side by side with the 1 MiB-sliced StreamingResponse
-    (``bench_blocks.py`` cases, two holders in one run): bare-socket GETs 1353 against 691 MB/s,
-    BulkClient 887 against 525 MB/s."""
-
-    def __init__(
-        self,
-        parts: Sequence[bytes | memoryview],
-        *,
-        headers: Mapping[str, str],
-        media_type: str,
-    ) -> None:
-        self.parts = tuple(parts)
-        super().__init__(None, headers=headers, media_type=media_type)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        start = {"type": "http.response.start", "status": self.status_code}
-        await send({**start, "headers": self.raw_headers})
-        pieces = list(_send_pieces(self.parts))
-        last = len(pieces) - 1
-        for i, piece in enumerate(pieces):
-            await send({"type": "http.response.body", "body": piece, "more_body": i < last})
-        if not pieces:
-            await send({"type": "http.response.body", "body": b""})
 
 
 class _HolderEndpoints:
@@ -263,23 +224,6 @@ def create_holder_app(
 
 
 # --- command line ------------------------------------------------------------------------------
-
-_SIZE = re.compile(r"([0-9]+)\s*([KMGT]i?B|B)?", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Octets from ``2GiB``, ``512MB``, ``4096``.
-
-    Raises:
-        argparse.ArgumentTypeError: not of that form.
-    """
-    found = _SIZE.fullmatch(text.strip())
-    if found is None:
-        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB or 512MB, got {text!r}")
-    return int(found.group(1)) * _UNITS[(found.group(2) or "").upper()]
-
 
 def _tier_value(text: str) -> tuple[Tier, str]:
     name, sep, value = text.partition("=")

@@ -41,6 +41,7 @@ from kvsp.errors import (
     PreconditionFailed,
 )
 from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.index import ReplicaIndex
 from kvsp.leases import Lease, LeaseQuota, LeaseTable, random_lease_id
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord, Residency
 from kvsp.registries import Codec, Tier
@@ -72,25 +73,6 @@ WITHDRAW_CONCURRENCY = 32
 """Withdrawals in flight at once when the holder shuts down."""
 ADMISSION_ATTEMPTS = 3
 """How often a PUT re-plans when a lease lands on a victim while its record is withdrawn."""
-
-
-class ReplicaIndex(Protocol):
-    """What the holder needs of the Index Service (:class:`~kvsp.services.index.client.
-    IndexClient` provides it)."""
-
-    async def publish(self, record: ReplicaRecord, /) -> int:
-        """Publish or refresh a record (§6.1); returns the granted TTL in ms."""
-        ...
-
-    async def publish_batch(self, records: Sequence[ReplicaRecord], /) -> list[int | KVSPError]:
-        """Publish or refresh several records; per record, the granted TTL or its error."""
-        ...
-
-    async def withdraw(
-        self, compat: CompatId, scope: ScopeId, key: BlockKey, holder: str, /
-    ) -> bool:
-        """Withdraw a record (§6.1); whether one was there."""
-        ...
 
 
 class DescriptorSource(Protocol):

@@ -43,10 +43,17 @@ from starlette.routing import BaseRoute, Route
 from kvsp.errors import BadRequest, NotFound, PayloadTooLarge
 from kvsp.fields import Fields
 from kvsp.ids import parse_block_key, parse_compat_id, parse_hex16, parse_scope_id
-from kvsp.index import DEFAULT_MAX_LOOKUP_KEYS, IndexService, ReplicaPath
+from kvsp.index import (
+    DEFAULT_MAX_LOOKUP_KEYS,
+    IndexService,
+    ReplicaCensus,
+    ReplicaPath,
+    ReplicaStore,
+    holder_id_of,
+)
 from kvsp.records import InstanceStatusRecord, LookupRequest, ReplicaRecord
-from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes
-from kvsp.stores.base import ReplicaCensus, ReplicaStore, holder_id_of
+from kvsp.services.descriptors import descriptor_routes
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web import auth
 from kvsp.web.auth import Principal, Principals, principal_of
@@ -220,7 +227,7 @@ def index_routes(index: IndexService, config: IndexConfig, clock: Clock) -> list
 
 def _census_routes(store: ReplicaStore, clock: Clock) -> list[BaseRoute]:
     """``GET replicas`` (admin): live records and octets per holder, over a store that can
-    count them (:class:`~kvsp.stores.base.ReplicaCensus`); no route otherwise."""
+    count them (:class:`~kvsp.index.ReplicaCensus`); no route otherwise."""
     if not isinstance(store, ReplicaCensus):
         return []
     census: ReplicaCensus = store

@@ -49,11 +49,8 @@ import asyncio
 import contextlib
 import logging
 import re
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -63,27 +60,22 @@ from starlette.routing import Route
 
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.engine.api import GREEDY, InferenceEngine, Sampling
-from kvsp.errors import BadRequest, KVSPError, NotFound, RecordError
-from kvsp.fields import Fields
+from kvsp.errors import BadRequest, KVSPError, NotFound
 from kvsp.ids import ScopeId
 from kvsp.keys import scope_id as scope_id_of
 from kvsp.records import PrefetchDirective, ResumeRequest, StateAnswer
-from kvsp.records_common import UINT32_MAX, read_uint32_list, read_uuid
+from kvsp.records_common import UINT32_MAX, read_uuid
 from kvsp.registries import Tier
-from kvsp.services.descriptors import DescriptorRegistry, descriptor_routes, read_descriptor_file
-from kvsp.services.holder.app import holder_routes, parse_size
-from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.services.descriptors import descriptor_routes
+from kvsp.services.holder import Holder, HolderConfig, holder_routes
+from kvsp.services.instance.requests import GenerateRequest
 from kvsp.services.instance.reshard import agent_reshard_routes
 from kvsp.services.instance.service import InstanceAgent, InstanceConfig, Session
-from kvsp.services.instance.sessions import (
-    InstanceSessions,
-    LiveSession,
-    SessionConfig,
-    read_sampling,
-)
+from kvsp.services.instance.sessions import InstanceSessions, LiveSession, SessionConfig
+from kvsp.stores.descriptors import DescriptorRegistry, read_descriptor_file
 from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments
 from kvsp.web.auth import Principals, principal_of, require_role, require_scope
-from kvsp.web.cliargs import load_principals, serve_config
+from kvsp.web.cliargs import load_principals, parse_size, serve_config
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import install_operations, read_json
 from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
@@ -97,66 +89,6 @@ DIRECTIVE_LIMIT = 64 << 20
 """A directive lists up to a million blocks with their sources."""
 PROMPT_LIMIT = 64 << 20
 """A prompt of a million tokens as JSON numbers."""
-MAX_SCOPE_KEY = 1024
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GenerateRequest:
-    """The body of POST generate (outside KVSP; DESIGN §3): ``{"prompt", "max_tokens",
-    "scope_key"?, "scope_id"?, "session"?}``."""
-
-    prompt: tuple[int, ...]
-    max_tokens: int
-    scope_key: bytes | None = None
-    scope_id: ScopeId | None = None
-    session: uuid.UUID | None = None
-    sampling: Sampling = GREEDY
-    deterministic: bool = True
-
-    @classmethod
-    def from_json(cls, obj: object, path: str = "$") -> Self:
-        """Read a generate request.
-
-        Raises:
-            RecordError: a bad or missing member; a ``scope_id`` that is not the scope of
-                ``scope_key``.
-        """
-        f = Fields(obj, path)
-        prompt = read_uint32_list(f.raw("prompt"), f.at("prompt"))
-        if not prompt:
-            raise RecordError("must not be empty", path=f.at("prompt"))
-        key = _read_scope_key(f)
-        sid = f.hex16("scope_id", optional=True)
-        scope = None if sid is None else ScopeId(sid)
-        if key is not None and scope is not None and scope_id_of(key) != scope:
-            raise RecordError("is not the scope of scope_key", path=f.at("scope_id"))
-        session = f.raw("session", optional=True, nullable=True)
-        sampler = f.raw("sampler", optional=True)
-        sampling, deterministic = (
-            (GREEDY, True) if sampler is None else read_sampling(sampler, f.at("sampler"))
-        )
-        return cls(
-            prompt=prompt,
-            max_tokens=f.integer("max_tokens", maximum=UINT32_MAX),
-            scope_key=key,
-            scope_id=scope,
-            session=None if session is None else read_uuid(session, f.at("session")),
-            sampling=sampling,
-            deterministic=deterministic,
-        )
-
-
-def _read_scope_key(f: Fields) -> bytes | None:
-    text = f.string("scope_key", optional=True)
-    if text is None:
-        return None
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        key = b""
-    if key.hex() != text or not 32 <= len(key) <= MAX_SCOPE_KEY:
-        raise RecordError("expected 32 to 1024 octets as lowercase hex", path=f.at("scope_key"))
-    return key
 
 
 def _resolve_scope(agent: InstanceAgent, body: GenerateRequest) -> tuple[ScopeId, bytes]:
@@ -634,7 +566,7 @@ async def _serve(
         relay = RelayAttachment(args, token)  # --relay: moqt:// replicas, blocks to the relay
         blocks = await stack.enter_async_context(BlockClient(token, moqt=relay.moqt_client()))
         holder = Holder(holder_config, index=relay.index(index), descriptors=registry, clock=clock)
-        relay.start(holder, stack)
+        relay.start(holder.store, stack)
         agent = InstanceAgent(engine, holder, index, blocks, control, clock, config)
         pc = await stack.enter_async_context(PCClient(args.control, token))
         sessions = InstanceSessions(agent, pc, session_config(args))
@@ -656,7 +588,6 @@ async def _serve(
 
 
 __all__ = [
-    "GenerateRequest",
     "configure_parser",
     "create_instance_app",
     "instance_config",

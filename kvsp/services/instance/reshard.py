@@ -24,14 +24,14 @@ Choices the spec leaves open:
   the version it holds as current (409 for another version, 404 for tokens it does not hold), so
   a fetch for v+1 always reads version v. Long ranges are fetched in chunks of at most
   ``chunk_bytes`` each (any sub-range of a held range is a valid resource).
-* **Plans** are checked before anything moves: an instance that holds ranges of the map must
-  hold version ``from`` (else 409), every ``retain`` and ``release`` range must be held, and
-  together they must account for all it holds (else 409: the PC's view differs). An instance
-  holding nothing of the map joins with empty ``retain``/``release``. Fetches are idempotent:
-  the same plan again waits for the same loads, and a new plan for the map (a retry after a lost
-  abort) keeps the ranges already fetched that it lists again and drops the others. The
-  instance stops loading at ``deadline_ms`` and answers 504; a failed fetch answers 502
-  (``kvsp-upstream-error``, naming the source and range).
+* **Plans** are checked before anything moves (:func:`~kvsp.reshard.check_plan`): an instance
+  that holds ranges of the map must hold version ``from`` (else 409), every ``retain`` and
+  ``release`` range must be held, and together they must account for all it holds (else 409: the
+  PC's view differs). An instance holding nothing of the map joins with empty
+  ``retain``/``release``. Fetches are idempotent: the same plan again waits for the same loads,
+  and a new plan for the map (a retry after a lost abort) keeps the ranges already fetched that
+  it lists again and drops the others. The instance stops loading at ``deadline_ms`` and answers
+  504; a failed fetch answers 502 (``kvsp-upstream-error``, naming the source and range).
 * **Commit** makes ``retain`` (the same pages, sliced, never copied) plus the fetched ranges the
   current ranges, and drops everything else (``release``). Committing the version already held
   answers 200 again. **Abort** cancels loads and discards what was fetched for that version;
@@ -45,10 +45,8 @@ Choices the spec leaves open:
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -74,19 +72,19 @@ from kvsp.errors import (
     BadRequest,
     Conflict,
     DigestMismatch,
-    IllegalTransition,
     Incompatible,
     KVSPError,
     NotFound,
 )
 from kvsp.records_common import TokenRange, read_name
 from kvsp.records_shard import ReshardAbort, ReshardCommit, ReshardPlan, parse_reshard_message
-from kvsp.services.holder.app import PartsResponse
+from kvsp.reshard import PendingState, check_plan, move_pending
 from kvsp.transfer.bulk import Buffer, BulkClient, BytesBody
 from kvsp.web.auth import principal_of, require_role
 from kvsp.web.client import TransportError, problem_error
 from kvsp.web.http import parse_repr_digest, read_body, read_json, repr_digest
 from kvsp.web.problems import PROBLEM_JSON, kvsp_json
+from kvsp.web.responses import PartsResponse
 
 BLOCK_MEDIA_TYPE = "application/kvsp-block"
 PLAN_LIMIT = 16 << 20
@@ -114,22 +112,6 @@ class RangeFetchTimedOut(RangeFetchFailed):
     title = "Range fetch timed out"
 
 
-class PendingState(enum.Enum):
-    """Where a pending plan is (§6.9): loading its ``fetch`` ranges, loaded (acknowledged), or
-    failed. Commit and abort end it; they are not states of their own."""
-
-    FETCHING = "fetching"
-    READY = "ready"
-    FAILED = "failed"
-
-
-_TRANSITIONS: dict[PendingState, frozenset[PendingState]] = {
-    PendingState.FETCHING: frozenset({PendingState.READY, PendingState.FAILED}),
-    PendingState.READY: frozenset(),
-    PendingState.FAILED: frozenset({PendingState.FETCHING}),  # the same plan, retried
-}
-
-
 @dataclass(slots=True, eq=False)
 class _Pending:
     plan: ReshardPlan
@@ -138,9 +120,7 @@ class _Pending:
     task: asyncio.Task[None] | None = None
 
     def move(self, to: PendingState) -> None:
-        if to not in _TRANSITIONS[self.state]:
-            raise IllegalTransition(f"pending plan: {self.state.value} -> {to.value}")
-        self.state = to
+        self.state = move_pending(self.state, to)
 
     def stop(self) -> None:
         if self.task is not None and not self.task.done():
@@ -190,15 +170,6 @@ class RangeFetcher(Protocol):
             KVSPError: the source refused, could not be reached, or sent bad data.
         """
         ...
-
-
-def _covered(ranges: Iterable[TokenRange], a: int, b: int) -> bool:
-    at = a
-    for start, end in sorted(ranges):
-        if start > at:
-            break
-        at = max(at, end)
-    return at >= b
 
 
 class ShardHolder:
@@ -302,7 +273,7 @@ class ShardHolder:
             RangeFetchFailed: a range could not be loaded (RangeFetchTimedOut: not in time).
         """
         state = self._maps.get(plan.map) or _MapState()
-        self._check_plan(state, plan)
+        check_plan(plan, state.version, state.shards.ranges())
         self._maps[plan.map] = state
         pending = self._pending_for(state, plan)
         if pending.task is None or pending.state is PendingState.FAILED:
@@ -321,28 +292,6 @@ class ShardHolder:
             raise
         moved = sum(p.nbytes for p in pending.fetched.values())
         return {"map": plan.map, "ready": plan.to_version, "fetched_bytes": moved}
-
-    def _check_plan(self, state: _MapState, plan: ReshardPlan) -> None:
-        holds = len(state.shards) > 0
-        if not holds:
-            if plan.retain or plan.release:
-                raise Conflict(f"holds no range of map {plan.map!r} to retain or release")
-            return
-        if state.version != plan.from_version:
-            # §6.9: a plan moves v to v+1; this instance is not at v.
-            raise Conflict(
-                f"holds version {state.version} of map {plan.map!r}, "
-                f"plan is from {plan.from_version}"
-            )
-        for a, b in (*plan.retain, *plan.release):
-            if not state.shards.covers(a, b):
-                raise Conflict(f"does not hold [{a}, {b}) of map {plan.map!r}")
-        listed = (*plan.retain, *plan.release)
-        for a, b in state.shards.ranges():
-            if not _covered(listed, a, b):
-                raise Conflict(
-                    f"holds [{a}, {b}) of map {plan.map!r}, neither retained nor released"
-                )
 
     def _pending_for(self, state: _MapState, plan: ReshardPlan) -> _Pending:
         old = state.pending

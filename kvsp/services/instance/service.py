@@ -3,7 +3,7 @@
 status, executes directives, serves as a holder of what it computed").
 
 :class:`InstanceAgent` drives an :class:`~kvsp.engine.api.InferenceEngine` and a
-:class:`~kvsp.services.holder.service.Holder` (its holder face); :mod:`kvsp.services.instance.app`
+:class:`~kvsp.services.holder.Holder` (its holder face); :mod:`kvsp.services.instance.app`
 is the HTTP shell. Choices the spec leaves open:
 
 * **Epoch** (§6.3): the start time in ms, or the last epoch used + 1 when the clock is not past
@@ -66,7 +66,7 @@ from kvsp.records import (
     StateAnswer,
 )
 from kvsp.registries import InstanceState
-from kvsp.services.holder.service import Holder
+from kvsp.services.holder import Holder
 from kvsp.stores.blocks import BlockRef
 from kvsp.transfer.block_client import BlockClient, UnsupportedHolder, VerifiedBlock, source_base
 from kvsp.web.auth import Principal

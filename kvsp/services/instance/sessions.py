@@ -57,19 +57,17 @@ from kvsp.errors import (
     Incompatible,
     KVSPError,
     NotFound,
-    RecordError,
     StaleEpoch,
 )
-from kvsp.fields import Fields
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.keys import BlockKeyChain
 from kvsp.records import LookupRequest, ReplicaRecord, ResumeRequest, SessionCheckpoint
 from kvsp.records_session import Sampler as SamplerRecord
 from kvsp.services.instance.service import InstanceAgent, Session
 from kvsp.services.pc.client import SessionView
-from kvsp.services.pc.sessions import EventLog
 from kvsp.sessions import checkpoint_due, fed_tokens, plan_resume
 from kvsp.transfer.block_client import UnsupportedHolder, source_base
+from kvsp.web.events import EventLog
 
 _log = logging.getLogger("kvsp.instance")
 
@@ -112,34 +110,6 @@ class LiveState(enum.StrEnum):
     FINISHED = "finished"
     SUPERSEDED = "superseded"
     FAILED = "failed"
-
-
-def read_sampling(obj: object, path: str = "$.sampler") -> tuple[Sampling, bool]:
-    """Read a generate request's ``sampler`` member: ``{"method", "params"?, "seed"?,
-    "deterministic"?}`` → (sampling, deterministic). ``deterministic`` defaults to whether the
-    sampler is reproducible (greedy, or seeded) and may not claim more.
-
-    Raises:
-        RecordError: a bad member, named by its path.
-    """
-    f = Fields(obj, path)
-    params = f.nested("params", optional=True)
-    try:
-        sampling = Sampling(
-            method=f.string("method"),
-            params={} if params is None else dict(params.obj),
-            seed=f.integer("seed", optional=True, nullable=True),
-        )
-    except RecordError as exc:
-        raise RecordError(exc.detail, path=path + (exc.path or "$")[1:]) from None
-    deterministic = f.boolean("deterministic", optional=True)
-    if deterministic is None:
-        deterministic = sampling.reproducible
-    elif deterministic and not sampling.reproducible:
-        raise RecordError(
-            "a sampler without a seed is not deterministic", path=f.at("deterministic")
-        )
-    return sampling, deterministic
 
 
 @dataclass(slots=True, kw_only=True)

@@ -50,6 +50,7 @@ from kvsp.compat import CompatibilityDescriptor
 from kvsp.errors import BadRequest, Forbidden, KVSPError, NotFound, RecordError, StaleEpoch
 from kvsp.fields import Fields
 from kvsp.ids import parse_hex16
+from kvsp.index import holder_id_of
 from kvsp.lifecycle import InstanceRegistry, SleepPolicy
 from kvsp.placement_plan import DirectiveOptions
 from kvsp.records import (
@@ -63,7 +64,6 @@ from kvsp.records import (
 )
 from kvsp.records_common import HTTP_SCHEMES, read_uri
 from kvsp.registries import InstanceState
-from kvsp.services.descriptors import DescriptorRegistry
 from kvsp.services.index.client import IndexClient
 from kvsp.services.pc.reshard import coordinator_for, reshard_routes
 from kvsp.services.pc.service import (
@@ -75,7 +75,7 @@ from kvsp.services.pc.service import (
     ScaleUpHook,
 )
 from kvsp.services.pc.sessions import SessionSettings, session_routes
-from kvsp.stores.base import holder_id_of
+from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.sessions import SessionStore
 from kvsp.stores.shardmaps import ShardMapStore
 from kvsp.web import auth

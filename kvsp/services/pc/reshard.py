@@ -1,7 +1,7 @@
 """Shard maps and resharding at the PC (spec §6.9; DESIGN.md §3 resource table: ``POST
 shardmaps``, ``POST shardmaps/{map}/versions``).
 
-:func:`plan_reshard` computes the per-instance plans from versions v and v+1 (pure);
+:func:`~kvsp.reshard.plan_reshard` computes the per-instance plans from versions v and v+1;
 :class:`ShardCoordinator` runs the two phases over a
 :class:`~kvsp.stores.shardmaps.ShardMapStore` and :class:`ReshardPeers`;
 :func:`reshard_routes` is its HTTP face (roles ``pc`` and ``admin``):
@@ -44,29 +44,26 @@ Choices the spec leaves open:
 from __future__ import annotations
 
 import asyncio
-import bisect
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Self
+from typing import Any, Protocol
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from kvsp.errors import BadRequest, Conflict, KVSPError, NotFound, RecordError
-from kvsp.fields import Fields
-from kvsp.records_common import TokenRange, read_name
+from kvsp.errors import Conflict, KVSPError, NotFound
+from kvsp.records_common import read_name
 from kvsp.records_shard import (
     ReshardAbort,
     ReshardCommit,
-    ReshardFetch,
     ReshardMessage,
     ReshardPlan,
-    Shard,
     ShardMap,
 )
+from kvsp.reshard import MAX_DEADLINE_MS, VersionRequest, plan_reshard, read_new_map
 from kvsp.stores.shardmaps import BeginOutcome, MemoryShardMaps, ShardMapStore
 from kvsp.web.auth import principal_of, require_role
 from kvsp.web.client import BaseClient, TransportError
@@ -76,7 +73,6 @@ from kvsp.web.problems import kvsp_json
 
 BODY_LIMIT = 16 << 20
 """Octets of a shard map body (65,536 shards with long URIs fit)."""
-MAX_DEADLINE_MS = 600_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,176 +88,6 @@ class ReshardConfig:
     pending_grace_ms: int = 30_000
     """How long past ``deadline_ms`` a pending version blocks other changes (a PC that died
     mid-change holds the map no longer)."""
-
-
-# --- plans (pure) ------------------------------------------------------------------------------
-
-
-# Each instance's ranges in a map are sorted and disjoint (the map is contiguous), so the set
-# operations below are two-pointer merges: a plan costs O(shards log shards), not shards².
-
-
-def _merge(ranges: Sequence[TokenRange]) -> list[TokenRange]:
-    merged: list[TokenRange] = []
-    for a, b in ranges:
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
-
-
-def _intersect(xs: Sequence[TokenRange], ys: Sequence[TokenRange]) -> list[TokenRange]:
-    found: list[TokenRange] = []
-    i = j = 0
-    while i < len(xs) and j < len(ys):
-        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        if lo < hi:
-            found.append((lo, hi))
-        if xs[i][1] <= ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return _merge(found)
-
-
-def _subtract(xs: Sequence[TokenRange], ys: Sequence[TokenRange]) -> list[TokenRange]:
-    left: list[TokenRange] = []
-    j = 0
-    for a, b in xs:
-        at = a
-        while j < len(ys) and ys[j][1] <= at:
-            j += 1
-        k = j
-        while k < len(ys) and ys[k][0] < b:
-            if ys[k][0] > at:
-                left.append((at, ys[k][0]))
-            at = max(at, ys[k][1])
-            k += 1
-        if at < b:
-            left.append((at, b))
-    return _merge(left)
-
-
-def _ranges_by_instance(shard_map: ShardMap) -> dict[str, list[TokenRange]]:
-    """Each instance's ranges, in token order; instances in order of first appearance."""
-    found: dict[str, list[TokenRange]] = {}
-    for shard in shard_map.shards:
-        found.setdefault(shard.instance, []).append(shard.tokens)
-    return found
-
-
-def members(*maps: ShardMap) -> list[str]:
-    """The instances of the maps, each once, in order of first appearance."""
-    seen: dict[str, None] = {}
-    for shard_map in maps:
-        for shard in shard_map.shards:
-            seen.setdefault(shard.instance, None)
-    return list(seen)
-
-
-def _sources(
-    current: ShardMap, starts: Sequence[int], ranges: Sequence[TokenRange]
-) -> list[ReshardFetch]:
-    fetch = []
-    for a, b in ranges:
-        at = bisect.bisect_right(starts, a) - 1
-        while at < len(current.shards) and current.shards[at].tokens[0] < b:
-            shard = current.shards[at]
-            lo, hi = max(a, shard.tokens[0]), min(b, shard.tokens[1])
-            if lo < hi:  # split at version v's shard boundaries, each from its owner
-                fetch.append(ReshardFetch(tokens=(lo, hi), source=shard.instance))
-            at += 1
-    return fetch
-
-
-def span(shard_map: ShardMap) -> TokenRange:
-    """The tokens a map covers: from its first shard's start to its last one's end."""
-    return shard_map.shards[0].tokens[0], shard_map.shards[-1].tokens[1]
-
-
-def plan_reshard(current: ShardMap, proposed: ShardMap, deadline_ms: int) -> dict[str, ReshardPlan]:
-    """The §6.9 plan of every instance in either version, moving ``current`` (v) to
-    ``proposed`` (v+1).
-
-    Raises:
-        BadRequest: ``proposed`` is not version v+1 of the same map, or covers other tokens.
-    """
-    if proposed.map != current.map or proposed.version != current.version + 1:
-        raise BadRequest(f"expected version {current.version + 1} of map {current.map!r}")
-    if span(proposed) != span(current):
-        a, b = span(current)
-        raise BadRequest(
-            f"version {proposed.version} must cover tokens [{a}, {b}) "
-            f"as version {current.version} does",
-            path="$.shards",
-        )
-    before, after = _ranges_by_instance(current), _ranges_by_instance(proposed)
-    starts = [shard.tokens[0] for shard in current.shards]
-    plans = {}
-    for instance in members(current, proposed):
-        old, new = before.get(instance, []), after.get(instance, [])
-        plans[instance] = ReshardPlan(
-            map=current.map,
-            from_version=current.version,
-            to_version=proposed.version,
-            deadline_ms=deadline_ms,
-            # §6.9: a range on the same instance in both versions MUST be retained.
-            retain=tuple(_intersect(old, new)),
-            fetch=tuple(_sources(current, starts, _subtract(new, old))),
-            release=tuple(_subtract(old, new)),
-        )
-    return plans
-
-
-# --- requests ----------------------------------------------------------------------------------
-
-
-def _check_bases(shards: Sequence[Shard], path: str) -> None:
-    for i, shard in enumerate(shards):
-        if not shard.instance.endswith("/"):
-            raise RecordError("an instance base URL ends in '/'", path=f"{path}[{i}].instance")
-
-
-def read_new_map(obj: object) -> ShardMap:
-    """Read a ``POST shardmaps`` body; without ``map`` the PC names the map.
-
-    Raises:
-        RecordError: a bad member, a version other than 1, gaps or overlaps between shards.
-    """
-    f = Fields(obj)
-    f.integer("version", minimum=1, maximum=1, optional=True)
-    name = f.raw("map", optional=True)
-    body = {**f.obj, "map": uuid.uuid4().hex if name is None else name, "version": 1}
-    shard_map = ShardMap.from_json(body)
-    _check_bases(shard_map.shards, "$.shards")
-    return shard_map
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VersionRequest:
-    """The body of ``POST shardmaps/{map}/versions``: ``{"from": v, "shards": [...],
-    "deadline_ms"?}``."""
-
-    from_version: int
-    shards: tuple[Shard, ...]
-    deadline_ms: int | None
-
-    @classmethod
-    def from_json(cls, obj: object, map_name: str) -> Self:
-        """Read a version request.
-
-        Raises:
-            RecordError: a bad member, gaps or overlaps between shards.
-        """
-        f = Fields(obj)
-        version = f.integer("from", minimum=1, maximum=2**53)
-        deadline = f.integer("deadline_ms", minimum=1, maximum=MAX_DEADLINE_MS, optional=True)
-        proposed = ShardMap.from_json(
-            {"map": map_name, "version": version + 1, "shards": f.raw("shards")}
-        )
-        _check_bases(proposed.shards, "$.shards")
-        return cls(from_version=version, shards=proposed.shards, deadline_ms=deadline)
 
 
 # --- the coordinator ---------------------------------------------------------------------------
@@ -542,7 +368,7 @@ class _Endpoints:
     async def post_map(self, request: Request) -> Response:
         require_role(principal_of(request), "pc")
         shard_map = await self.coordinator.create(
-            read_new_map(await read_json(request, BODY_LIMIT))
+            read_new_map(await read_json(request, BODY_LIMIT), default_name=uuid.uuid4().hex)
         )
         headers = {"location": f"shardmaps/{shard_map.map}"}
         return kvsp_json(_map_json(shard_map), status=201, headers=headers)
@@ -585,11 +411,6 @@ __all__ = [
     "ReshardPeers",
     "ReshardTimedOut",
     "ShardCoordinator",
-    "VersionRequest",
     "coordinator_for",
-    "members",
-    "plan_reshard",
-    "read_new_map",
     "reshard_routes",
-    "span",
 ]

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.errors import BadRequest, Conflict, Incompatible, KVSPError, NotActive, NotFound
+from kvsp.index import holder_id_of
 from kvsp.lifecycle import InstanceRegistry, check_transition
 from kvsp.placement import PlacementDecision, choose_instance
 from kvsp.placement_plan import (
@@ -66,7 +67,6 @@ from kvsp.records import (
 from kvsp.records_session import ResumeRequest, SessionCheckpoint
 from kvsp.registries import InstanceState
 from kvsp.services.pc.sessions import SessionService, SessionSettings
-from kvsp.stores.base import holder_id_of
 from kvsp.stores.sessions import MemorySessionStore, SessionStore
 from kvsp.web.clock import Clock
 

@@ -35,15 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -65,6 +62,7 @@ from kvsp.stores.sessions import SessionStore
 from kvsp.web import auth
 from kvsp.web.auth import principal_of
 from kvsp.web.clock import Clock
+from kvsp.web.events import EventLog
 from kvsp.web.http import read_json
 from kvsp.web.problems import kvsp_json
 
@@ -90,31 +88,6 @@ class SessionSettings:
     retain_ms: int = 600_000
     idle_ms: int = 3_600_000
     log: Path | None = None
-
-
-class EventLog:
-    """One JSON object per line, each with ``t_ns`` (``time.monotonic_ns``) and ``event``;
-    nothing is written without a path. Lines are flushed as written (several processes may
-    be read together while they run)."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._file = None if path is None else path.open("a", encoding="utf-8", buffering=1)
-
-    def write(self, event: str, **members: Any) -> None:
-        """Append one event (no-op without a path)."""
-        if self._file is None:
-            return
-        line = json.dumps({"t_ns": time.monotonic_ns(), "event": event, **members})
-        with self._lock:
-            self._file.write(line + "\n")
-
-    def close(self) -> None:
-        """Close the file."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 class ResumePeers(Protocol):
@@ -408,7 +381,6 @@ def session_routes(service: SessionService) -> Sequence[BaseRoute]:
 
 
 __all__ = [
-    "EventLog",
     "ResumeChooser",
     "ResumePeers",
     "SessionService",

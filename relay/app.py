@@ -41,7 +41,13 @@ from cryptography import x509
 from kvsp.errors import BadRequest, KVSPError
 from kvsp.leases import LeaseQuota
 from kvsp.web.auth import Principals
-from kvsp.web.cliargs import add_common_arguments, load_principals, parse_listen, parse_size
+from kvsp.web.cliargs import (
+    add_common_arguments,
+    load_principals,
+    parse_listen,
+    positive_int,
+    positive_size,
+)
 from kvsp.web.clock import SystemClock
 from kvsp.web.runner import write_ready_file
 from moqt.backend import BACKENDS
@@ -57,19 +63,6 @@ TLS_FOLDER = "relay-tls"
 RENEW_BEFORE = datetime.timedelta(days=2)
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
-def _size(text: str) -> int:
-    size = parse_size(text)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return size
-
-
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the relay's own options (the common ones come from ``add_common_arguments``)."""
     add = parser.add_argument
@@ -83,7 +76,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--backend", choices=BACKENDS, default="aioquic", help="QUIC library (default aioquic)")
     add(
         "--cache-size",
-        type=_size,
+        type=positive_size,
         default=1 << 30,
         metavar="SIZE",
         help="object cache budget, LRU by track beyond it (default 1GiB)",
@@ -98,28 +91,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--public-url", metavar="URL", help="moqt:// URI named in records (default: its own)")
     add(
         "--record-ttl-ms",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_RECORD_TTL_MS,
         metavar="MS",
         help="cap on record TTLs; refreshed at a third (default 60000)",
     )
     add(
         "--lease-max-octets",
-        type=_size,
+        type=positive_size,
         default=1 << 30,
         metavar="SIZE",
         help="per-client quota of leased octets (default 1GiB)",
     )
     add(
         "--lease-max-ttl-ms",
-        type=_positive_int,
+        type=positive_int,
         default=600_000,
         metavar="MS",
         help="longest lease TTL (default 600000)",
     )
     add(
         "--lease-max-count",
-        type=_positive_int,
+        type=positive_int,
         default=1024,
         metavar="N",
         help="most leases per client (default 1024)",

@@ -1,11 +1,11 @@
-"""The driver behind ``interop/fuzz/atheris_*.py``: atheris when it is installed, else a plain
-random-mutation loop over the same target and seeds.
+"""The driver behind ``interop/fuzz/atheris_fuzz.py``: atheris when it is installed, else a
+plain random-mutation loop over the same target and seeds.
 
 atheris (coverage-guided, libFuzzer underneath) is not a dependency of this project. Install it
 beside the venv to use it, for example::
 
     .venv/bin/python -m pip install --target /tmp/atheris_pkgs atheris
-    PYTHONPATH=/tmp/atheris_pkgs .venv/bin/python interop/fuzz/atheris_container.py \\
+    PYTHONPATH=/tmp/atheris_pkgs .venv/bin/python interop/fuzz/atheris_fuzz.py container \\
         -max_total_time=180 -max_len=4096
 
 Without atheris (or with ``--plain``) the loop mutates the seeds with byte-level operators
@@ -165,6 +165,7 @@ def _call(
 
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("target", choices=list(TARGETS), help="the parser to fuzz")
     parser.add_argument("--plain", action="store_true", help="the random loop even with atheris")
     parser.add_argument("--seconds", type=float, default=60.0, help="plain loop: time budget")
     parser.add_argument("--runs", type=int, default=None, help="plain loop: most executions")
@@ -174,10 +175,12 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def main(name: str, argv: Sequence[str] | None = None) -> int:
-    """Fuzz the target ``name`` (see :data:`~interop.fuzz.targets.TARGETS`); exit status 1 on a
-    finding. Arguments this driver does not know go to libFuzzer (``-max_total_time=N``)."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Fuzz the target named first in ``argv`` (see :data:`~interop.fuzz.targets.TARGETS`);
+    exit status 1 on a finding. Arguments this driver does not know go to libFuzzer
+    (``-max_total_time=N``)."""
     args, rest = _parse_args(sys.argv[1:] if argv is None else argv)
+    name = args.target
     target, make_seeds = TARGETS[name]
     seeds = make_seeds()
     if not args.plain:

@@ -8,9 +8,9 @@ cross-check what they parse: the whole-input and the incremental parsers must ag
 one octet at a time, and in uneven chunks), and whatever is accepted must encode again and
 parse to the same value.
 
-The targets are plain functions, shared by the hand-run harnesses beside this file
-(``atheris_*.py``) and by the test suite (``tests/fuzz``), so the code a campaign exercises is
-the code CI checks.
+The targets are plain functions, shared by the hand-run harness beside this file
+(``atheris_fuzz.py TARGET``) and by the test suite (``tests/fuzz``), so the code a campaign
+exercises is the code CI checks.
 """
 
 from __future__ import annotations

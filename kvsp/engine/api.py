@@ -6,10 +6,11 @@ loaded blocks as the prefix of a prompt, computes the rest, and generates tokens
 nothing of scopes, holders or HTTP: the instance computes the Block Keys (§4.2), finds held
 blocks, publishes computed ones and streams tokens.
 
-Engines run their compute off the event loop (a worker thread standing in for the device),
-so that transfers and verification interleave with generation (§6.5: prefetch MUST NOT block
-requests already admitted). Two implementations: :mod:`kvsp.engine.toy` (CPU,
-deterministic, for tests and the default) and the torch reference engine behind an adapter.
+Engines run their compute off the event loop (on the one engine thread of
+:mod:`kvsp.engine.worker`, standing in for the device), so that transfers and verification
+interleave with generation (§6.5: prefetch MUST NOT block requests already admitted). Two
+implementations: :mod:`kvsp.engine.toy` (CPU, deterministic, for tests and the default) and
+the torch reference engine behind an adapter.
 
 Sessions (§6.8) need three more things of an engine: a :class:`Sampling` whose draw at step s is
 a pure function of (seed, s), so a sampler restored at ``step`` continues the same sample;
@@ -25,14 +26,16 @@ import hashlib
 import math
 import secrets
 import struct
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvsp.compat import CompatibilityDescriptor
-from kvsp.container import Container
-from kvsp.errors import RecordError
+from kvsp.container import Container, Geometry
+from kvsp.errors import Incompatible, RecordError
 from kvsp.ids import BlockKey
+from kvsp.registries import Codec
 
 SAMPLER_LABEL = b"KVSP-SAMPLER-1\x00"
 """``"KVSP-SAMPLER-1" || 0x00``, the prefix of each step's draw (as :mod:`kvsp.engine.sampler`)."""
@@ -127,6 +130,41 @@ class ComputedBlock:
 
     index: int
     container: bytes
+
+
+def check_loaded_block(
+    block: Container, descriptor: CompatibilityDescriptor, geometry: Geometry
+) -> None:
+    """Accept ``block`` as loaded KV only if it is a whole raw block of the engine's geometry:
+    every layer, ``block_tokens`` tokens, sections of the descriptor's size (§4.3).
+
+    Raises:
+        Incompatible: a block of another geometry, a layer range or a compressed codec.
+    """
+    section = geometry.section_length(descriptor.block_tokens)
+    if (
+        block.codec != Codec.RAW
+        or block.first_layer != 0
+        or block.layer_count != descriptor.layers
+        or block.token_count != descriptor.block_tokens
+        or any(x.k.nbytes != section or x.v.nbytes != section for x in block.layers)
+    ):
+        raise Incompatible("a loaded block must be a whole raw block of this geometry")
+
+
+def lookup_held(
+    held: OrderedDict[BlockKey, Container], keys: Sequence[BlockKey]
+) -> list[Container]:
+    """The blocks in ``held`` of the leading ``keys``, up to the first one not held; each one
+    found becomes the most recently used."""
+    found = []
+    for key in keys:
+        block = held.get(key)
+        if block is None:
+            break
+        held.move_to_end(key)
+        found.append(block)
+    return found
 
 
 class EngineSequence(Protocol):

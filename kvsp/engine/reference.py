@@ -13,9 +13,10 @@ tokens by single decode steps, as the original run computed them, so on one mach
 and the tokens are bit-identical. The rates in :meth:`TorchEngine.stats` are the engine's
 measured tokens per second and its KV pages in use.
 
-Threading mirrors the toy engine: one engine thread owns the model and the paged cache and
-runs, each round, one queued job (a prefill or a release) and then one decode step of every
-sequence being generated, so the event loop never waits on compute. Held blocks (§6.5
+Threading is the toy engine's: the one engine thread of :mod:`kvsp.engine.worker` owns the
+model and the paged cache and runs, each round, one queued job (a prefill or a release) and
+then one decode step of every sequence being generated, so the event loop never waits on
+compute. Held blocks (§6.5
 prefetch targets and blocks computed here) stay in host memory as containers and are copied
 into pages when a prompt uses them.
 
@@ -26,19 +27,19 @@ unless ``--engine reference`` is chosen.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
+from contextlib import aclosing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.container import Container, Geometry
+from kvsp.engine import api
 from kvsp.engine.api import GREEDY, ComputedBlock, EngineStats, Sampling
-from kvsp.errors import BadRequest, Conflict, Incompatible
+from kvsp.engine.worker import Decoding, EngineWorker
+from kvsp.errors import BadRequest, Conflict
 from kvsp.ids import BlockKey
-from kvsp.registries import Codec
 from kvsp.stores.blocks import InsufficientStorage
 
 if TYPE_CHECKING:
@@ -47,10 +48,6 @@ if TYPE_CHECKING:
     from kvsp.engine.engine import Engine
     from kvsp.engine.kvcache import KVSequence
     from kvsp.engine.sampler import Sampler
-
-T = TypeVar("T")
-Outcome = int | BaseException | None
-"""What the engine thread hands a token stream: a token, an error, or the end."""
 
 
 class TorchSequence:
@@ -81,17 +78,10 @@ class TorchSequence:
         sampler = Sampler(
             method=sampling.method, params=dict(sampling.params), seed=sampling.run_seed()
         )
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Outcome] = asyncio.Queue()
-        decode = _Decode(self, sampler, step, max_tokens, loop, queue.put_nowait)
-        self._engine.start_decode(decode)
-        try:
-            while (value := await queue.get()) is not None:
-                if isinstance(value, BaseException):
-                    raise value
-                yield value
-        finally:
-            decode.stopped = True
+        decoding = _Decoding(self, sampler, step, max_tokens)
+        async with aclosing(self._engine.worker.stream(decoding)) as tokens:
+            async for token in tokens:
+                yield token
 
     async def block(self, index: int) -> bytes:
         """Block ``index`` (prompt or generated) as a KVB1 container, read on the engine
@@ -102,7 +92,7 @@ class TorchSequence:
         """
         engine = self._engine.engine
         return await asyncio.wrap_future(
-            self._engine.submit(engine.block_container, self.kv, index)
+            self._engine.worker.submit(engine.block_container, self.kv, index)
         )
 
     async def release(self) -> None:
@@ -110,45 +100,25 @@ class TorchSequence:
         if self.released:
             return
         try:
-            await asyncio.wrap_future(self._engine.submit(self._engine.free, self))
+            await asyncio.wrap_future(self._engine.worker.submit(self._engine.free, self))
         except RuntimeError:
             self.released = True  # the engine is closed; its cache goes with it
 
 
-class _Decode:
-    """A sequence being decoded by the engine thread, and where its tokens go. The first token
-    comes from the logits the prefill (or resume) left, each later one from a decode step."""
+class _Decoding(Decoding):
+    """A reference sequence being decoded: the first token comes from the logits the prefill
+    (or resume) left, each later one from a decode step."""
 
-    def __init__(
-        self,
-        seq: TorchSequence,
-        sampler: Sampler,
-        step: int,
-        count: int,
-        loop: asyncio.AbstractEventLoop,
-        deliver: Callable[[Outcome], None],
-    ) -> None:
+    def __init__(self, seq: TorchSequence, sampler: Sampler, step: int, count: int) -> None:
+        super().__init__(step, count)
         self.seq = seq
         self.sampler = sampler
-        self.next_step = step
-        self.token: int | None = None
-        self.remaining = count
-        self.loop = loop
-        self.deliver = deliver
-        self.stopped = False
 
-    def send(self, value: Outcome) -> bool:
-        """Hand ``value`` to the event loop; ``False`` once the loop is closed."""
-        try:
-            self.loop.call_soon_threadsafe(self.deliver, value)
-        except RuntimeError:
-            return False
-        return True
-
-    def step(self) -> bool:
-        """Decode one token (engine thread); whether the sequence goes on."""
-        if self.stopped or self.seq.released or self.remaining <= 0:
-            return False
+    def next_token(self) -> int | None:
+        """The sampler's choice from the current logits (engine thread); ``None`` once the
+        sequence is released or after sending a full cache as the error."""
+        if self.seq.released:
+            return None
         try:
             if self.token is None:
                 logits = self.seq.logits
@@ -158,11 +128,8 @@ class _Decode:
                 logits = self.seq._engine.engine.decode(self.seq.kv, self.token)
         except Conflict as exc:
             self.send(InsufficientStorage(f"KV cache full while decoding: {exc}"))
-            return False
-        self.token = self.sampler.sample(logits, self.next_step)
-        self.next_step += 1
-        self.remaining -= 1
-        return self.send(self.token) and self.remaining > 0
+            return None
+        return self.sampler.sample(logits, self.next_step)
 
 
 class TorchEngine:
@@ -201,12 +168,8 @@ class TorchEngine:
         self.vocab = self.engine.config.vocab_size
         self.held_capacity = held_blocks if held_blocks is not None else num_pages
         self._held: OrderedDict[BlockKey, Container] = OrderedDict()
-        self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
-        self._decoding: list[_Decode] = []
-        self._wake = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvsp-torch-engine", daemon=True)
-        self._thread.start()
+        self.worker = EngineWorker("kvsp-torch-engine")
+        """The engine thread: it owns the model and the paged cache."""
 
     @property
     def descriptor(self) -> CompatibilityDescriptor:
@@ -225,16 +188,7 @@ class TorchEngine:
     # -- held blocks (event loop thread) ---------------------------------------------------------
 
     def _check_block(self, block: Container) -> None:
-        d = self._descriptor
-        section = self.geometry.section_length(d.block_tokens)
-        if (
-            block.codec != Codec.RAW
-            or block.first_layer != 0
-            or block.layer_count != d.layers
-            or block.token_count != d.block_tokens
-            or any(x.k.nbytes != section or x.v.nbytes != section for x in block.layers)
-        ):
-            raise Incompatible("a loaded block must be a whole raw block of this geometry")
+        api.check_loaded_block(block, self._descriptor, self.geometry)
 
     def hold(self, key: BlockKey, block: Container) -> bool:
         """Keep a verified block in host memory for later prompts (LRU); whether it is held.
@@ -255,14 +209,7 @@ class TorchEngine:
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[Container]:
         """The held blocks of the leading ``keys``, up to the first one not held."""
-        found = []
-        for key in keys:
-            block = self._held.get(key)
-            if block is None:
-                break
-            self._held.move_to_end(key)
-            found.append(block)
-        return found
+        return api.lookup_held(self._held, keys)
 
     # -- compute -----------------------------------------------------------------------------
 
@@ -287,33 +234,22 @@ class TorchEngine:
             )
         for block in loaded:
             self._check_block(block)
-        return await asyncio.wrap_future(self.submit(self._run_prefill, list(prompt), loaded))
+        return await asyncio.wrap_future(
+            self.worker.submit(self._run_prefill, list(prompt), loaded)
+        )
 
     def _run_prefill(self, prompt: list[int], loaded: Sequence[Container]) -> TorchSequence:
         """Import, compute and export on the engine thread."""
         engine, b = self.engine, self._descriptor.block_tokens
-        free = engine.cache.num_pages - engine.cache.used_pages
-        if free < -(-len(prompt) // b):
-            raise InsufficientStorage(f"the KV cache has {free} free pages")
-        pages: list[int] = []
-        seq = TorchSequence(self, engine.new_sequence(), len(loaded))
-        try:
-            for block in loaded:
-                # verified by the agent against the Replica Record's digests (§6.7)
-                pages.append(engine.import_block(block.encode()))
-            adopted, pages = pages, []  # the sequence owns them from here on
+
+        def compute(seq: TorchSequence, adopted: list[int]) -> None:
             seq.logits = engine.prefill(seq.kv, prompt, loaded_prefix_pages=adopted)
             seq.computed = [
                 ComputedBlock(i, engine.block_container(seq.kv, i))
                 for i in range(len(loaded), len(prompt) // b)
             ]
-        except BaseException as exc:
-            engine.cache.free(pages)
-            self.free(seq)
-            if isinstance(exc, Conflict):
-                raise InsufficientStorage(f"the KV cache is full: {exc}") from exc
-            raise
-        return seq
+
+        return self._build(loaded, len(prompt), compute)
 
     async def resume(
         self, loaded: Sequence[Container], prefill: Sequence[int], replay: Sequence[int]
@@ -333,29 +269,49 @@ class TorchEngine:
             raise BadRequest(f"token {bad} is outside the model's {self.vocab} ids")
         for block in loaded:
             self._check_block(block)
-        job = self.submit(self._run_resume, loaded, list(prefill), list(replay))
+        job = self.worker.submit(self._run_resume, loaded, list(prefill), list(replay))
         return await asyncio.wrap_future(job)
 
     def _run_resume(
         self, loaded: Sequence[Container], prefill: list[int], replay: list[int]
     ) -> TorchSequence:
         """Import, compute and replay on the engine thread."""
-        engine, b = self.engine, self._descriptor.block_tokens
-        total = len(loaded) * b + len(prefill) + len(replay)
-        free = engine.cache.num_pages - engine.cache.used_pages
-        if free < -(-total // b):
-            raise InsufficientStorage(f"the KV cache has {free} free pages")
-        pages: list[int] = []
-        seq = TorchSequence(self, engine.new_sequence(), len(loaded))
-        try:
-            for block in loaded:
-                pages.append(engine.import_block(block.encode()))
-            adopted, pages = pages, []
+        engine = self.engine
+
+        def compute(seq: TorchSequence, adopted: list[int]) -> None:
             engine.adopt_pages(seq.kv, adopted)
             logits = engine.prefill(seq.kv, prefill) if prefill else None
             for token in replay:
                 logits = engine.decode(seq.kv, token)
             seq.logits = logits
+
+        total = len(loaded) * self._descriptor.block_tokens + len(prefill) + len(replay)
+        return self._build(loaded, total, compute)
+
+    def _build(
+        self,
+        loaded: Sequence[Container],
+        tokens: int,
+        compute: Callable[[TorchSequence, list[int]], None],
+    ) -> TorchSequence:
+        """A new sequence of ``tokens`` tokens: ``loaded`` imported into pages, which
+        ``compute`` gives to the sequence before it computes the rest (engine thread).
+
+        Raises:
+            InsufficientStorage: too few free KV pages, or the cache filled up.
+        """
+        engine, b = self.engine, self._descriptor.block_tokens
+        free = engine.cache.num_pages - engine.cache.used_pages
+        if free < -(-tokens // b):
+            raise InsufficientStorage(f"the KV cache has {free} free pages")
+        pages: list[int] = []
+        seq = TorchSequence(self, engine.new_sequence(), len(loaded))
+        try:
+            for block in loaded:
+                # verified by the agent against the Replica Record's digests (§6.7)
+                pages.append(engine.import_block(block.encode()))
+            adopted, pages = pages, []  # the sequence owns them from here on
+            compute(seq, adopted)
         except BaseException as exc:
             engine.cache.free(pages)
             self.free(seq)
@@ -370,68 +326,7 @@ class TorchEngine:
             seq.released = True
             self.engine.free(seq.kv)
 
-    # -- the engine thread -----------------------------------------------------------------------
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """Run ``fn(*args)`` on the engine thread before its next decode round.
-
-        Raises:
-            RuntimeError: the engine is closed.
-        """
-        future: Future[T] = Future()
-        with self._wake:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            self._jobs.append((lambda: fn(*args), future))
-            self._wake.notify()
-        return future
-
-    @staticmethod
-    def _execute(job: Callable[[], Any], future: Future[Any]) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            result = job()
-        except BaseException as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-
-    def start_decode(self, decode: _Decode) -> None:
-        """Have the engine thread decode ``decode``'s sequence, one token per round."""
-        with self._wake:
-            self._decoding.append(decode)
-            self._wake.notify()
-
-    def _run(self) -> None:
-        """Each round: one queued job, then one decode step of every running sequence."""
-        while True:
-            with self._wake:
-                while not (self._jobs or self._decoding or self._closed):
-                    self._wake.wait()
-                if self._closed:
-                    return
-                job = self._jobs.popleft() if self._jobs else None
-                batch = list(self._decoding)
-            if job is not None:
-                self._execute(*job)
-            finished = [decode for decode in batch if not decode.step()]
-            if finished:
-                with self._wake:
-                    self._decoding = [d for d in self._decoding if d not in finished]
-                for decode in finished:
-                    decode.send(None)
-
     async def aclose(self) -> None:
         """Stop the engine thread (after the round it is running) and background loads."""
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-            jobs, self._jobs = list(self._jobs), deque()
-            decoding, self._decoding = self._decoding, []
-        await asyncio.to_thread(self._thread.join, 10)
-        for _, future in jobs:
-            future.cancel()
-        for decode in decoding:
-            decode.send(None)  # ends their token streams
+        await self.worker.aclose()
         self.engine.close()

@@ -32,20 +32,21 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from contextlib import aclosing
+from typing import Any
 
 import numpy as np
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.container import Container, Geometry, encode_container
+from kvsp.engine import api
 from kvsp.engine.api import GREEDY, ComputedBlock, EngineStats, Sampling, step_draw
+from kvsp.engine.worker import Decoding, EngineWorker, Outcome
 from kvsp.errors import BadRequest, Incompatible, LayersUnavailable
 from kvsp.ids import BlockKey
 from kvsp.registries import Codec
 from kvsp.stores.blocks import InsufficientStorage
 
-T = TypeVar("T")
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 Int8Array = np.ndarray[Any, np.dtype[np.int8]]
 
@@ -60,8 +61,8 @@ RATE_WINDOW = 64
 """Calls over which the prefill and decode rates are measured."""
 MATVEC_CHUNK = 1 << 16
 """Elements per matrix-vector product: OpenBLAS turns multi-threaded above about this size,
-which costs far more than it gains on a busy small machine (measured: 7 ms instead of 90 us
-for 512 x 1024), so larger matrices are applied in row chunks."""
+which costs far more than it gains on a busy small machine, so larger matrices are applied in
+row chunks."""
 
 
 def toy_descriptor(
@@ -281,7 +282,7 @@ class ToySequence:
         Raises:
             LayersUnavailable: the block is not complete yet.
         """
-        return await asyncio.wrap_future(self._engine.submit(self._complete_block, index))
+        return await asyncio.wrap_future(self._engine.worker.submit(self._complete_block, index))
 
     async def tokens(
         self, max_tokens: int, sampling: Sampling = GREEDY, step: int = 0
@@ -291,70 +292,40 @@ class ToySequence:
         hands each token to this loop; a busy event loop delays delivery but never the engine."""
         if max_tokens <= 0 or self.released:
             return
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[int | None] = asyncio.Queue()
-
-        def deliver(value: int | None) -> None:
-            if value is not None:
-                self._engine.account(self)
-            queue.put_nowait(value)
-
-        decode = _Decode(self, sampling, step, max_tokens, loop, deliver)
-        self._engine.start_decode(decode)
-        try:
-            while (value := await queue.get()) is not None:
-                yield value
-        finally:
-            decode.stopped = True
+        decoding = _Decoding(self, sampling, step, max_tokens)
+        async with aclosing(self._engine.worker.stream(decoding)) as tokens:
+            async for token in tokens:
+                yield token
 
     async def release(self) -> None:
         """Free the sequence's KV memory (idempotent)."""
         self._engine.free(self)
 
 
-class _Decode:
-    """A sequence being decoded by the engine thread, and where its tokens go. The first token
-    comes from the state the prefill left, each later one from a decode step."""
+class _Decoding(Decoding):
+    """A toy sequence being decoded: the first token comes from the state the prefill left,
+    each later one from a decode step; each token delivered charges the sequence's grown
+    length to KV memory."""
 
-    def __init__(
-        self,
-        seq: ToySequence,
-        sampling: Sampling,
-        step: int,
-        count: int,
-        loop: asyncio.AbstractEventLoop,
-        deliver: Callable[[int | None], None],
-    ) -> None:
+    def __init__(self, seq: ToySequence, sampling: Sampling, step: int, count: int) -> None:
+        super().__init__(step, count)
         self.seq = seq
         self.method = sampling.method
         self.seed = sampling.run_seed()
-        self.next_step = step
-        self.token: int | None = None
-        self.remaining = count
-        self.loop = loop
-        self.deliver = deliver
-        self.stopped = False
 
-    def send(self, value: int | None) -> bool:
-        """Hand ``value`` (``None``: the end) to the event loop; ``False`` once it is closed."""
-        try:
-            self.loop.call_soon_threadsafe(self.deliver, value)
-        except RuntimeError:
-            return False
-        return True
-
-    def step(self) -> bool:
-        """Decode one token (engine thread); whether the sequence goes on."""
-        if self.stopped or self.seq.released or self.remaining <= 0:
-            return False
+    def next_token(self) -> int | None:
+        """The context's next token (engine thread); ``None`` once the sequence is released."""
+        if self.seq.released:
+            return None
         if self.token is None:
-            token = self.seq.choose(self.method, self.seed, self.next_step)
-        else:
-            token = self.seq.step(self.token, self.method, self.seed, self.next_step)
-        self.token = token
-        self.next_step += 1
-        self.remaining -= 1
-        return self.send(token) and self.remaining > 0
+            return self.seq.choose(self.method, self.seed, self.next_step)
+        return self.seq.step(self.token, self.method, self.seed, self.next_step)
+
+    def deliver(self, value: Outcome) -> None:
+        """Charge the token to KV memory, then queue it (event loop thread)."""
+        if value is not None:
+            self.seq._engine.account(self.seq)
+        super().deliver(value)
 
 
 class ToyEngine:
@@ -389,12 +360,8 @@ class ToyEngine:
         self._held: OrderedDict[BlockKey, Container] = OrderedDict()
         self._sequences: set[ToySequence] = set()
         self._sequence_blocks = 0
-        self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
-        self._decoding: list[_Decode] = []
-        self._wake = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvsp-toy-engine", daemon=True)
-        self._thread.start()
+        self.worker = EngineWorker("kvsp-toy-engine", round_delay_s=decode_delay_s)
+        """The engine thread: it computes prefills and decode rounds."""
 
     @property
     def descriptor(self) -> CompatibilityDescriptor:
@@ -456,28 +423,12 @@ class ToyEngine:
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[Container]:
         """The held blocks of the leading ``keys``, up to the first one not held."""
-        found = []
-        for key in keys:
-            block = self._held.get(key)
-            if block is None:
-                break
-            self._held.move_to_end(key)
-            found.append(block)
-        return found
+        return api.lookup_held(self._held, keys)
 
     # -- compute --------------------------------------------------------------------------------
 
     def _check_block(self, block: Container) -> None:
-        d = self._descriptor
-        section = self.geometry.section_length(d.block_tokens)
-        if (
-            block.codec != Codec.RAW
-            or block.first_layer != 0
-            or block.layer_count != d.layers
-            or block.token_count != d.block_tokens
-            or any(x.k.nbytes != section or x.v.nbytes != section for x in block.layers)
-        ):
-            raise Incompatible("a loaded block must be a whole raw block of this geometry")
+        api.check_loaded_block(block, self._descriptor, self.geometry)
 
     async def prefill(self, prompt: Sequence[int], loaded: Sequence[Container]) -> ToySequence:
         """Load ``loaded`` as the first blocks of ``prompt`` and compute the rest.
@@ -494,19 +445,8 @@ class ToyEngine:
             raise BadRequest("more loaded blocks than the prompt has")
         for block in loaded:
             self._check_block(block)
-        blocks = self._blocks_for(len(prompt))
-        if not self._make_room(blocks):
-            raise InsufficientStorage("the toy engine's KV memory is full")
-        seq = ToySequence(self, len(loaded))
-        self._sequences.add(seq)
-        self._sequence_blocks += blocks
-        seq.blocks_accounted = blocks
-        try:
-            await asyncio.wrap_future(self.submit(self._run_prefill, seq, prompt, loaded))
-        except BaseException:
-            self.free(seq)
-            raise
-        return seq
+        seq = self._admit(len(prompt), len(loaded))
+        return await self._compute(seq, self._run_prefill, prompt, loaded)
 
     async def resume(
         self, loaded: Sequence[Container], prefill: Sequence[int], replay: Sequence[int]
@@ -524,15 +464,28 @@ class ToyEngine:
         for block in loaded:
             self._check_block(block)
         total = len(loaded) * self._descriptor.block_tokens + len(prefill) + len(replay)
-        blocks = self._blocks_for(total)
+        seq = self._admit(total, len(loaded))
+        return await self._compute(seq, self._run_resume, loaded, prefill, replay)
+
+    def _admit(self, tokens: int, loaded_blocks: int) -> ToySequence:
+        """A new sequence charged with the KV memory of ``tokens`` tokens.
+
+        Raises:
+            InsufficientStorage: the running sequences fill KV memory.
+        """
+        blocks = self._blocks_for(tokens)
         if not self._make_room(blocks):
             raise InsufficientStorage("the toy engine's KV memory is full")
-        seq = ToySequence(self, len(loaded))
+        seq = ToySequence(self, loaded_blocks)
         self._sequences.add(seq)
         self._sequence_blocks += blocks
         seq.blocks_accounted = blocks
+        return seq
+
+    async def _compute(self, seq: ToySequence, run: Callable[..., None], *args: Any) -> ToySequence:
+        """Run ``run(seq, *args)`` on the engine thread; free ``seq`` if it fails."""
         try:
-            await asyncio.wrap_future(self.submit(self._run_resume, seq, loaded, prefill, replay))
+            await asyncio.wrap_future(self.worker.submit(run, seq, *args))
         except BaseException:
             self.free(seq)
             raise
@@ -567,69 +520,6 @@ class ToyEngine:
             ComputedBlock(i, seq.container(i)) for i in range(len(loaded), len(prompt) // b)
         ]
 
-    # -- the engine thread ----------------------------------------------------------------------
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """Run ``fn(*args)`` on the engine thread before its next decode round.
-
-        Raises:
-            RuntimeError: the engine is closed.
-        """
-        future: Future[T] = Future()
-        with self._wake:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            self._jobs.append((lambda: fn(*args), future))
-            self._wake.notify()
-        return future
-
-    @staticmethod
-    def _execute(job: Callable[[], Any], future: Future[Any]) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            result = job()
-        except BaseException as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-
-    def start_decode(self, decode: _Decode) -> None:
-        """Have the engine thread decode ``decode``'s sequence, one token per round."""
-        with self._wake:
-            self._decoding.append(decode)
-            self._wake.notify()
-
-    def _run(self) -> None:
-        """Each round: one prefill job, then one decode step of every running sequence."""
-        while True:
-            with self._wake:
-                while not (self._jobs or self._decoding or self._closed):
-                    self._wake.wait()
-                if self._closed:
-                    return
-                job = self._jobs.popleft() if self._jobs else None
-                batch = list(self._decoding)
-            if job is not None:
-                self._execute(*job)
-            finished = [decode for decode in batch if not decode.step()]
-            if finished:
-                with self._wake:
-                    self._decoding = [d for d in self._decoding if d not in finished]
-                for decode in finished:
-                    decode.send(None)
-            if batch and self.decode_delay_s:
-                time.sleep(self.decode_delay_s)  # the emulated device time of the round
-
     async def aclose(self) -> None:
         """Stop the engine thread (after the round it is running)."""
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
-            jobs, self._jobs = list(self._jobs), deque()
-            decoding, self._decoding = self._decoding, []
-        await asyncio.to_thread(self._thread.join, 10)
-        for _, future in jobs:
-            future.cancel()
-        for decode in decoding:
-            decode.send(None)  # ends their token streams
+        await self.worker.aclose()

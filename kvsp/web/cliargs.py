@@ -91,6 +91,29 @@ def parse_size(text: str) -> int:
     return int(found.group(1)) * _UNITS[(found.group(2) or "").upper()]
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 written in ASCII digits (an ``argparse`` type).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def positive_size(text: str) -> int:
+    """A :func:`parse_size` of at least one octet (an ``argparse`` type).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, or zero.
+    """
+    size = parse_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return size
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The :class:`ServeConfig` the common options describe.
 

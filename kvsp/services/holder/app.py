@@ -42,7 +42,7 @@ from kvsp.services.holder.service import Holder, HolderConfig
 from kvsp.stores.blocks import BlockRef, DeviceBackend, cuda_backend
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.web.auth import Principals, principal_of
-from kvsp.web.cliargs import load_principals, parse_size, serve_config
+from kvsp.web.cliargs import load_principals, parse_size, positive_int, positive_size, serve_config
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import (
     UnsupportedMediaType,
@@ -225,6 +225,7 @@ def create_holder_app(
 
 # --- command line ------------------------------------------------------------------------------
 
+
 def _tier_value(text: str) -> tuple[Tier, str]:
     name, sep, value = text.partition("=")
     try:
@@ -251,19 +252,6 @@ def _tier_rate(text: str) -> tuple[Tier, float]:
     if not 0 < rate < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive rate, got {value!r}")
     return tier, rate
-
-
-def _positive_size(text: str) -> int:
-    size = parse_size(text)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return size
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -293,28 +281,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--record-ttl-ms",
-        type=_positive_int,
+        type=positive_int,
         default=d.record_ttl_ms,
         metavar="MS",
         help=f"TTL asked for each Replica Record; refreshed at a third (default {d.record_ttl_ms})",
     )
     add(
         "--lease-max-octets",
-        type=_positive_size,
+        type=positive_size,
         default=q.max_octets_per_client,
         metavar="SIZE",
         help="per-client quota of leased octets (default 1GiB)",
     )
     add(
         "--lease-max-ttl-ms",
-        type=_positive_int,
+        type=positive_int,
         default=q.max_ttl_ms,
         metavar="MS",
         help=f"longest lease TTL (default {q.max_ttl_ms})",
     )
     add(
         "--lease-max-count",
-        type=_positive_int,
+        type=positive_int,
         default=q.max_leases_per_client,
         metavar="N",
         help=f"most leases per client (default {q.max_leases_per_client})",
@@ -329,7 +317,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--body-limit",
-        type=_positive_size,
+        type=positive_size,
         default=d.body_limit,
         metavar="SIZE",
         help="largest block PUT body (default 256MiB)",

@@ -57,7 +57,7 @@ from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web import auth
 from kvsp.web.auth import Principal, Principals, principal_of
-from kvsp.web.cliargs import load_principals, serve_config
+from kvsp.web.cliargs import load_principals, positive_int, serve_config
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import install_operations, read_json
 from kvsp.web.metrics import observe_lookup
@@ -257,9 +257,9 @@ async def freeze_heap_forever(interval_s: float) -> None:
     """Every ``interval_s``, collect the objects made since the last call, then freeze the
     survivors (``gc.freeze``), so that full collections never walk the stored records again.
 
-    Why: a million records are ~5 million objects tracked by the cyclic collector, and CPython
-    runs a full collection each time the long-lived objects grow by a quarter; measured here,
-    those pauses reach 1.8 s at 300,000 records and cost a fifth of a bulk load. Frozen objects
+    Why: each record is several objects tracked by the cyclic collector, and CPython runs a full
+    collection each time the long-lived objects grow by a quarter; with many records those
+    pauses last seconds and take a large share of a bulk load. Frozen objects
     are still freed by reference counting when a record is replaced or removed; only an object
     that dies in a reference cycle after being frozen would stay. The store makes no cycles and
     the collections before each freeze find next to nothing in a running IS.
@@ -337,22 +337,12 @@ def create_index_app(
 # --- command line ------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the IS options (``kvsp serve index`` and ``kvsp serve control``)."""
     defaults = IndexConfig()
     parser.add_argument(
         "--max-ttl-ms",
-        type=_positive_int,
+        type=positive_int,
         default=defaults.max_ttl_ms,
         metavar="MS",
         help=f"cap on granted replica TTLs (default {defaults.max_ttl_ms})",
@@ -366,14 +356,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--body-limit",
-        type=_positive_int,
+        type=positive_int,
         default=defaults.body_limit,
         metavar="OCTETS",
         help=f"largest lookup or batch body (default {defaults.body_limit})",
     )
     parser.add_argument(
         "--max-lookup-keys",
-        type=_positive_int,
+        type=positive_int,
         default=defaults.max_lookup_keys,
         metavar="N",
         help=f"most block keys in one lookup (default {defaults.max_lookup_keys})",

@@ -38,8 +38,8 @@ computed). An error after the stream started ends it with one ``{"error": proble
 as a session of :mod:`kvsp.services.instance.sessions`: it checkpoints to the PC, survives the
 reader (``GET sessions/{s}/tokens?from=N`` reattaches), and can be resumed elsewhere. It needs
 the scope key configured with ``--scope-key-file`` (a resumed instance computes the keys of
-generated blocks with it). Without ``session`` a generation is as before: greedy unless a
-``sampler`` says otherwise, never checkpointed.
+generated blocks with it). Without ``session`` a generation is greedy unless a ``sampler``
+says otherwise, and never checkpointed.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ from kvsp.services.instance.sessions import InstanceSessions, LiveSession, Sessi
 from kvsp.stores.descriptors import DescriptorRegistry, read_descriptor_file
 from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments
 from kvsp.web.auth import Principals, principal_of, require_role, require_scope
-from kvsp.web.cliargs import load_principals, parse_size, serve_config
+from kvsp.web.cliargs import load_principals, parse_size, positive_int, serve_config
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import install_operations, read_json
 from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
@@ -304,12 +304,6 @@ def create_instance_app(
 # --- command line ------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def _tier_size(text: str) -> tuple[Tier, int]:
     name, sep, value = text.partition("=")
     try:
@@ -330,19 +324,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--token-file", required=True, type=Path, metavar="FILE", help="bearer token it uses")
     add("--engine", choices=["toy", "reference"], default="toy", help="the engine (default toy)")
     add("--descriptor", type=Path, metavar="D.json", help="Compatibility Descriptor to compute")
-    add("--kv-capacity-blocks", type=_positive_int, default=1024, metavar="N")
+    add("--kv-capacity-blocks", type=positive_int, default=1024, metavar="N")
     add("--model", type=Path, metavar="DIR", help="checkpoint folder (--engine reference)")
     add("--device", default="cpu", help="torch device of --engine reference (default cpu)")
-    add("--block-tokens", type=_positive_int, default=16, metavar="B", help="(reference)")
+    add("--block-tokens", type=positive_int, default=16, metavar="B", help="(reference)")
     add("--kv-dtype", default="fp32", metavar="T", help="KV element type (reference; fp32)")
     add("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute (reference)")
     add("--public-url", metavar="URL", help="base URL it is known by (default: its own)")
-    add("--status-ttl-ms", type=_positive_int, default=d.status_ttl_ms, metavar="MS")
-    add("--batch-size", type=_positive_int, default=d.batch_size, metavar="N")
-    add("--prefetch-concurrency", type=_positive_int, default=d.prefetch_concurrency)
+    add("--status-ttl-ms", type=positive_int, default=d.status_ttl_ms, metavar="MS")
+    add("--batch-size", type=positive_int, default=d.batch_size, metavar="N")
+    add("--prefetch-concurrency", type=positive_int, default=d.prefetch_concurrency)
     add("--sleep-threshold", type=float, metavar="LOAD", help="ask to sleep below this load")
-    add("--sleep-after-ms", type=_positive_int, default=d.sleep_after_ms, metavar="MS")
-    add("--record-ttl-ms", type=_positive_int, default=600_000, metavar="MS")
+    add("--sleep-after-ms", type=positive_int, default=d.sleep_after_ms, metavar="MS")
+    add("--record-ttl-ms", type=positive_int, default=600_000, metavar="MS")
     add_relay_arguments(parser)
     add(
         "--scope-key-file",
@@ -379,14 +373,14 @@ def add_session_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
         "--checkpoint-every",
-        type=_positive_int,
+        type=positive_int,
         default=d.checkpoint_every,
         metavar="N",
         help=f"checkpoint at least every N output tokens (default {d.checkpoint_every})",
     )
     add(
         "--gate-batch",
-        type=_positive_int,
+        type=positive_int,
         default=d.gate_batch,
         metavar="N",
         help="non-deterministic samplers: new tokens a checkpoint waits for before tokens are "

@@ -80,7 +80,7 @@ from kvsp.stores.sessions import SessionStore
 from kvsp.stores.shardmaps import ShardMapStore
 from kvsp.web import auth
 from kvsp.web.auth import Principals, principal_of
-from kvsp.web.cliargs import load_principals, serve_config
+from kvsp.web.cliargs import load_principals, positive_int, serve_config
 from kvsp.web.client import BaseClient, RemoteError
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import install_operations, read_json
@@ -428,12 +428,6 @@ def scale_up_hook(spec: str, *, timeout: float = HOOK_TIMEOUT_S) -> ScaleUpHook:
 # --- command line ------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def _nonnegative_float(text: str) -> float:
     try:
         value = float(text)
@@ -458,28 +452,28 @@ def add_pc_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--sleep-after-ms",
-        type=_positive_int,
+        type=positive_int,
         default=d.sleep_after_ms,
         metavar="MS",
         help=f"how long the load must stay below it (default {d.sleep_after_ms})",
     )
     add(
         "--status-sweep-ms",
-        type=_positive_int,
+        type=positive_int,
         default=d.status_sweep_ms,
         metavar="MS",
         help=f"how often expired instances are marked failed (default {d.status_sweep_ms})",
     )
     add(
         "--deadline-ms",
-        type=_positive_int,
+        type=positive_int,
         default=d.deadline_ms,
         metavar="MS",
         help=f"deadline_ms of prefetch directives (default {d.deadline_ms})",
     )
     add(
         "--lease-ms",
-        type=_positive_int,
+        type=positive_int,
         default=d.lease_ms,
         metavar="MS",
         help=f"lease_ms of prefetch directives (default {d.lease_ms})",
@@ -508,7 +502,7 @@ def add_pc_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--queue-limit",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="capacity: running+queued below batch_size+N (default unlimited)",
@@ -528,7 +522,7 @@ def add_pc_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--scale-up-timeout-ms",
-        type=_positive_int,
+        type=positive_int,
         default=d.scale_up_timeout_ms,
         metavar="MS",
         help=f"how long a started instance has to register (default {d.scale_up_timeout_ms})",
@@ -542,7 +536,7 @@ def add_pc_arguments(parser: argparse.ArgumentParser) -> None:
     sd = d.sessions
     add(
         "--failover-deadline-ms",
-        type=_positive_int,
+        type=positive_int,
         default=sd.deadline_ms,
         metavar="MS",
         help="how long the PC keeps trying to move a failed instance's session before it "
@@ -550,7 +544,7 @@ def add_pc_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--session-retain-ms",
-        type=_positive_int,
+        type=positive_int,
         default=sd.retain_ms,
         metavar="MS",
         help=f"how long done and failed sessions stay readable (default {sd.retain_ms})",

@@ -38,7 +38,7 @@ from kvsp.ids import BlockKey
 from kvsp.registries import Codec
 
 SAMPLER_LABEL = b"KVSP-SAMPLER-1\x00"
-"""``"KVSP-SAMPLER-1" || 0x00``, the prefix of each step's draw (as :mod:`kvsp.engine.sampler`)."""
+"""``"KVSP-SAMPLER-1" || 0x00``, the prefix of each step's draw (both engines)."""
 _STEP_INPUT = struct.Struct("!QQ")
 SAMPLING_METHODS: Mapping[str, frozenset[str]] = {
     "greedy": frozenset(),

@@ -115,6 +115,20 @@ def format_number(value: float) -> str:
     return repr(float(value))
 
 
+def read_json_file(path: Path) -> Any:
+    """Read one JSON file of a checkpoint.
+
+    Raises:
+        CheckpointError: the file cannot be read or is not JSON; the message names the file.
+    """
+    try:
+        return json.loads(path.read_bytes())
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: not JSON: {exc}") from exc
+
+
 def read_config(folder: str | Path) -> ModelConfig:
     """Read and check ``config.json`` in a checkpoint folder.
 
@@ -123,12 +137,7 @@ def read_config(folder: str | Path) -> ModelConfig:
             type, or the shapes disagree; the message names the file, ``path`` the key.
     """
     path = Path(folder) / CONFIG_FILE
-    try:
-        obj = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: not JSON: {exc}") from exc
+    obj = read_json_file(path)
     try:
         return parse_config(obj)
     except RecordError as exc:

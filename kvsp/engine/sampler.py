@@ -13,36 +13,23 @@ Methods: ``greedy`` (no params; ties go to the lowest id), ``temperature`` (``te
 
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
 
+from kvsp.engine.api import SAMPLING_METHODS, step_draw
 from kvsp.errors import RecordError
 from kvsp.fields import Fields
 
-SAMPLER_LABEL = b"KVSP-SAMPLER-1\x00"
-"""``"KVSP-SAMPLER-1" || 0x00``, the prefix of each step's seed derivation."""
-STEP_INPUT = struct.Struct("!QQ")
-"""uint64 seed, uint64 step, network byte order."""
-METHODS: dict[str, frozenset[str]] = {
-    "greedy": frozenset(),
-    "temperature": frozenset({"temperature"}),
-    "top-k": frozenset({"k", "temperature"}),
-    "top-p": frozenset({"p", "temperature"}),
-}
-"""Method → the parameters it accepts."""
 _UINT64 = 2**64 - 1
 
 
 def step_seed(seed: int, step: int) -> int:
     """The 63-bit ``torch.Generator`` seed of one step: a pure function of (seed, step)."""
-    digest = hashlib.sha256(SAMPLER_LABEL + STEP_INPUT.pack(seed, step)).digest()
-    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+    return int.from_bytes(step_draw(seed, step)[:8], "big") & (2**63 - 1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +45,7 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        allowed = METHODS.get(self.method)
+        allowed = SAMPLING_METHODS.get(self.method)
         if allowed is None:
             raise RecordError(f"unknown sampler method {self.method!r}", path="$.method")
         if type(self.seed) is not int or not 0 <= self.seed <= _UINT64:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsp.engine.config import CheckpointError
+from kvsp.engine.config import CheckpointError, read_json_file
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_KIND = "byte-level-1"
@@ -79,12 +79,7 @@ def load_tokenizer(folder: str | Path) -> ByteTokenizer:
         CheckpointError: missing, not JSON, or not a byte-level-1 definition.
     """
     path = Path(folder) / TOKENIZER_FILE
-    try:
-        obj = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: not JSON: {exc}") from exc
+    obj = read_json_file(path)
     if not isinstance(obj, dict) or obj.get("kvsp_tokenizer") != TOKENIZER_KIND:
         raise CheckpointError(f"{path}: not a {TOKENIZER_KIND} tokenizer", path="$.kvsp_tokenizer")
     specials = obj.get("specials")

@@ -1,8 +1,9 @@
 """KVSP: the KV Cache Storage Protocol, reference implementation.
 
-The top-level modules are the sans-I/O protocol core (spec §4); ``kvsp.services``,
-``kvsp.stores``, ``kvsp.engine`` and ``kvsp.cli`` are the shells around it. The names below are
-the public API other tools import; they are fixed.
+The top-level modules are the sans-I/O protocol core (spec §4, §6; DESIGN.md §2);
+``kvsp.stores``, ``kvsp.web``, ``kvsp.transfer``, ``kvsp.engine``, ``kvsp.services`` and
+``kvsp.cli`` are the shells around it. The names below are the public API other tools import;
+they are fixed.
 """
 
 from kvsp.compat import CompatibilityDescriptor, compat_id

@@ -36,22 +36,15 @@ from kvsp.registries import InstanceState
 
 Actor = Literal["pc", "instance", "expiry"]
 
-_A, _D, _S, _F = (
-    InstanceState.ACTIVE,
-    InstanceState.DRAINING,
-    InstanceState.SLEEPING,
-    InstanceState.FAILED,
-)
-
 TRANSITIONS: Final[Mapping[tuple[InstanceState, InstanceState], frozenset[Actor]]] = {
-    (_A, _D): frozenset({"pc"}),
-    (_D, _A): frozenset({"pc"}),
-    (_D, _S): frozenset({"instance"}),
-    (_S, _A): frozenset({"pc"}),
-    (_A, _F): frozenset({"expiry"}),
-    (_D, _F): frozenset({"expiry"}),
-    (_S, _F): frozenset({"expiry"}),
-    (_F, _A): frozenset({"instance"}),
+    (InstanceState.ACTIVE, InstanceState.DRAINING): frozenset({"pc"}),
+    (InstanceState.DRAINING, InstanceState.ACTIVE): frozenset({"pc"}),
+    (InstanceState.DRAINING, InstanceState.SLEEPING): frozenset({"instance"}),
+    (InstanceState.SLEEPING, InstanceState.ACTIVE): frozenset({"pc"}),
+    (InstanceState.ACTIVE, InstanceState.FAILED): frozenset({"expiry"}),
+    (InstanceState.DRAINING, InstanceState.FAILED): frozenset({"expiry"}),
+    (InstanceState.SLEEPING, InstanceState.FAILED): frozenset({"expiry"}),
+    (InstanceState.FAILED, InstanceState.ACTIVE): frozenset({"instance"}),
 }
 """(from, to) → the actors that may make the move (§6.3)."""
 

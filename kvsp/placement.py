@@ -137,7 +137,8 @@ def _portions(replica: ReplicaLike, layers: int | None) -> _Portions:
 
 @functools.lru_cache(maxsize=4096)
 def _cached_portions(size: int, residency: Any, count: int | None, layers: int | None) -> _Portions:
-    # Replicas repeat the same few (size, tier split) shapes; this was most of a placement.
+    # Replicas repeat the same few (size, tier split) shapes; computing each anew is most of a
+    # placement.
     return _compute_portions(size, residency, count, layers)
 
 

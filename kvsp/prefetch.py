@@ -33,22 +33,17 @@ from kvsp.ids import BlockKey
 from kvsp.records import DirectiveStatus, Link, PrefetchDirective
 from kvsp.registries import DirectiveState
 
-_P, _PA, _C, _F = (
-    DirectiveState.PENDING,
-    DirectiveState.PARTIAL,
-    DirectiveState.COMPLETE,
-    DirectiveState.FAILED,
-)
-
 TRANSITIONS: Final[Mapping[tuple[DirectiveState, DirectiveState], str]] = {
-    (_P, _P): "progress",
-    (_P, _C): "all blocks loaded",
-    (_P, _PA): "stopped with a loaded prefix",
-    (_P, _F): "stopped with nothing loaded",
+    (DirectiveState.PENDING, DirectiveState.PENDING): "progress",
+    (DirectiveState.PENDING, DirectiveState.COMPLETE): "all blocks loaded",
+    (DirectiveState.PENDING, DirectiveState.PARTIAL): "stopped with a loaded prefix",
+    (DirectiveState.PENDING, DirectiveState.FAILED): "stopped with nothing loaded",
 }
 """(from, to) → why the move happens (§6.5); any pair not listed is illegal."""
 
-FINAL_STATES: Final = frozenset({_PA, _C, _F})
+FINAL_STATES: Final = frozenset(
+    {DirectiveState.PARTIAL, DirectiveState.COMPLETE, DirectiveState.FAILED}
+)
 
 
 def check_transition(src: DirectiveState, dst: DirectiveState) -> None:
@@ -104,7 +99,7 @@ class DirectiveProgress:
         return dst
 
     def _stop(self, detail: str) -> DirectiveState:
-        return self._move(_PA if self._loaded else _F, detail)
+        return self._move(DirectiveState.PARTIAL if self._loaded else DirectiveState.FAILED, detail)
 
     def block_loaded(self, key: BlockKey) -> DirectiveState:
         """The next block of the prefix is held; returns the new state.
@@ -113,12 +108,13 @@ class DirectiveProgress:
             IllegalTransition: the directive has stopped, or ``key`` is not the next block of
                 the prefix.
         """
-        if self.state is not _P:
+        if self.state is not DirectiveState.PENDING:
             raise IllegalTransition(f"directive is {self.state}; no further blocks load")
         if self.next_index >= len(self.keys) or self.keys[self.next_index] != key:
             raise IllegalTransition("blocks are loaded in prefix order")
         self._loaded.append(key)
-        return self._move(_C if len(self._loaded) == len(self.keys) else _P)
+        done = len(self._loaded) == len(self.keys)
+        return self._move(DirectiveState.COMPLETE if done else DirectiveState.PENDING)
 
     def block_failed(self, key: BlockKey, reason: str) -> DirectiveState:
         """The next block could not be loaded from any source: the prefix ends here.
@@ -126,7 +122,7 @@ class DirectiveProgress:
         Raises:
             IllegalTransition: the directive has stopped, or ``key`` is not the next block.
         """
-        if self.state is not _P:
+        if self.state is not DirectiveState.PENDING:
             raise IllegalTransition(f"directive is {self.state}; no further blocks load")
         if self.next_index >= len(self.keys) or self.keys[self.next_index] != key:
             raise IllegalTransition("blocks fail in prefix order")
@@ -137,14 +133,14 @@ class DirectiveProgress:
 
         A directive that already stopped is left alone (returns ``False``).
         """
-        if self.state is not _P or now_ms < self.deadline_at_ms:
+        if self.state is not DirectiveState.PENDING or now_ms < self.deadline_at_ms:
             return False
         self._stop(f"deadline passed after {len(self._loaded)} of {len(self.keys)} blocks")
         return True
 
     def abort(self, reason: str) -> None:
         """Stop a pending directive for a reason other than its blocks (shutdown)."""
-        if self.state is _P:
+        if self.state is DirectiveState.PENDING:
             self._stop(reason)
 
     def status(self) -> DirectiveStatus:

@@ -1,4 +1,4 @@
-"""Session checkpoints and resume bookkeeping (spec §6.8; DESIGN.md §2 ``checkpoint.py``).
+"""Session checkpoints and resume bookkeeping (spec §6.8; DESIGN.md §2 ``sessions.py``).
 
 Pure rules, ``now_ms`` passed in, so that a store can apply each of them inside one call (the
 memory store runs them without awaiting; a Redis store runs the same rules as one script):
@@ -67,12 +67,19 @@ class SessionState(enum.StrEnum):
     FAILED = "failed"
 
 
-_S, _R, _D, _F = SessionState.SERVING, SessionState.RESUMING, SessionState.DONE, SessionState.FAILED
 TRANSITIONS: Final[frozenset[tuple[SessionState, SessionState]]] = frozenset(
-    {(_S, _R), (_R, _R), (_R, _S), (_S, _D), (_R, _D), (_S, _F), (_R, _F)}
+    {
+        (SessionState.SERVING, SessionState.RESUMING),
+        (SessionState.RESUMING, SessionState.RESUMING),
+        (SessionState.RESUMING, SessionState.SERVING),
+        (SessionState.SERVING, SessionState.DONE),
+        (SessionState.RESUMING, SessionState.DONE),
+        (SessionState.SERVING, SessionState.FAILED),
+        (SessionState.RESUMING, SessionState.FAILED),
+    }
 )
 """(from, to) pairs a session may move along."""
-FINAL: Final[frozenset[SessionState]] = frozenset({_D, _F})
+FINAL: Final[frozenset[SessionState]] = frozenset({SessionState.DONE, SessionState.FAILED})
 
 
 def check_session_transition(src: SessionState, dst: SessionState) -> None:

@@ -3,9 +3,8 @@
 §6.7 has a client check ``Repr-Digest`` (SHA-256 of the whole container) and each layer's
 digest (SHA-256 of the layer's octets): every octet is hashed twice. The native module
 ``kvsp._sha256x2`` issues the rounds of both messages interleaved on the x86 SHA extensions,
-which leave most of their throughput unused on one dependent stream, so both passes cost about
-1.1 of one hashlib pass instead of two (1.6 ms against 1.5 ms for a 2 MiB block: the
-"hashing one block twice" line of ``bench/bench_blocks.py``).
+which leave most of their throughput unused on one dependent stream, so both passes cost little
+more than one hashlib pass (the "hashing one block twice" line of ``bench/bench_blocks.py``).
 
 :data:`ACCELERATED` says whether it is here and this CPU can run it; when not (no compiler at
 install, not x86, no SHA extensions) callers keep to :mod:`hashlib`, which gives the same

@@ -80,7 +80,6 @@ from .transport import (
     open_datagram_endpoint,
     protocol_class,
     quic_server_class,
-    transport_socket,
     tune_socket,
 )
 from .wire import KeyValuePair, Location, TrackNamespace
@@ -694,6 +693,3 @@ async def _run_handler(connection: MOQTConnection, handler: Handler) -> None:
         log.exception("MOQT handler failed")
         if connection.session.closed is None:
             connection.close(SessionError.INTERNAL_ERROR, "handler failed")
-
-
-_transport_socket = transport_socket  # the name bench and tests used before the split

@@ -18,7 +18,7 @@ same event classes), so the MOQT session runs on either. What differs, and lives
   limit (RFC 9000 §8.1 asks for every byte of the datagram). A qh3 server then sees ~530 bytes,
   may send ~1.6 KB, pads its Initial to 1280 and cannot fit the Handshake packet in the rest; its
   packet builder raises "packet builder capacity exhausted" out of ``datagrams_to_send``, the
-  datagrams built in that call are lost and the handshake limps on retransmissions (~0.8 s).
+  datagrams built in that call are lost and the handshake limps on retransmissions.
   :func:`initial_padded_outside_packets` spots such a datagram so the server can validate the
   address with Retry first (no amplification limit after it).
 
@@ -162,7 +162,7 @@ class Backend:
     def quiet(self, quic: Any) -> None:
         """Drop the per-datagram work of packet logging from a connection that has no QUIC
         logger. qh3 2.1 parses the QUIC header of every packet it sends (and notes every
-        datagram) in Python on its way to a logger it then finds absent: about 15 % of a
+        datagram) in Python on its way to a logger it then finds absent, a large share of a
         sending process's CPU (``py-spy`` on ``bench/bench_moqt.py``'s server). Nothing to do
         for aioquic, whose logging paths test for the logger first, nor where a logger is set.
         """

@@ -105,10 +105,11 @@ from .session_state import (
     Signal,
 )
 
-_K = RequestKind
 _ANY_KIND = frozenset(RequestKind) - {RequestKind.SUBSCRIBE_NAMESPACE}
-_REQUEST_OK_KINDS = frozenset({_K.TRACK_STATUS, _K.REQUEST_UPDATE, _K.PUBLISH_NAMESPACE})
-_SUBSCRIPTIONS = frozenset({_K.SUBSCRIBE, _K.PUBLISH})
+_REQUEST_OK_KINDS = frozenset(
+    {RequestKind.TRACK_STATUS, RequestKind.REQUEST_UPDATE, RequestKind.PUBLISH_NAMESPACE}
+)
+_SUBSCRIPTIONS = frozenset({RequestKind.SUBSCRIBE, RequestKind.PUBLISH})
 EARLY_BYTES_MAX = 1 << 20  # data on other streams before the setup completes
 
 
@@ -408,22 +409,26 @@ class MOQTSession(RequestAPI, DataPlane):
         return request
 
     def _on_subscribe(self, message: Subscribe, out: list[MOQTEvent]) -> None:
-        self._accept(message.request_id, _K.SUBSCRIBE, message)
+        self._accept(message.request_id, RequestKind.SUBSCRIBE, message)
         out.append(SubscribeReceived(message.request_id, message))
 
     def _on_publish(self, message: Publish, out: list[MOQTEvent]) -> None:
-        request = self._accept(message.request_id, _K.PUBLISH, message)
+        request = self._accept(message.request_id, RequestKind.PUBLISH, message)
         self._check_new_alias(message.track_alias)
         request.track_alias = message.track_alias
         self._bind_alias(message.track_alias, message.request_id, out)
         out.append(PublishReceived(message.request_id, message))
 
     def _on_fetch(self, message: Fetch, out: list[MOQTEvent]) -> None:
-        self._accept(message.request_id, _K.FETCH, message)
+        self._accept(message.request_id, RequestKind.FETCH, message)
         joined = None
         if isinstance(message.target, JoiningFetch):
             subscription = self.requests.get(message.target.joining_request_id)
-            if subscription is None or subscription.kind != _K.SUBSCRIBE or subscription.local:
+            if (
+                subscription is None
+                or subscription.kind != RequestKind.SUBSCRIBE
+                or subscription.local
+            ):
                 self.request_error(
                     message.request_id, RequestErrorCode.INVALID_JOINING_REQUEST_ID, "no such"
                 )
@@ -436,11 +441,11 @@ class MOQTSession(RequestAPI, DataPlane):
         )
 
     def _on_track_status(self, message: TrackStatus, out: list[MOQTEvent]) -> None:
-        self._accept(message.request_id, _K.TRACK_STATUS, message)
+        self._accept(message.request_id, RequestKind.TRACK_STATUS, message)
         out.append(TrackStatusReceived(message.request_id, message))
 
     def _on_request_update(self, message: RequestUpdate, out: list[MOQTEvent]) -> None:
-        self._accept(message.request_id, _K.REQUEST_UPDATE, message)
+        self._accept(message.request_id, RequestKind.REQUEST_UPDATE, message)
         existing = message.existing_request_id
         if self.requests.apply(existing, Signal.UPDATE, by_local=False, kinds=_SUBSCRIPTIONS):
             out.append(RequestUpdateReceived(message.request_id, message))
@@ -448,7 +453,7 @@ class MOQTSession(RequestAPI, DataPlane):
             self.request_error(message.request_id, RequestErrorCode.DOES_NOT_EXIST, "ended")
 
     def _on_publish_namespace(self, message: PublishNamespace, out: list[MOQTEvent]) -> None:
-        self._accept(message.request_id, _K.PUBLISH_NAMESPACE, message)
+        self._accept(message.request_id, RequestKind.PUBLISH_NAMESPACE, message)
         out.append(PublishNamespaceReceived(message.request_id, message))
 
     def _on_unsubscribe(self, message: Unsubscribe, out: list[MOQTEvent]) -> None:
@@ -459,7 +464,7 @@ class MOQTSession(RequestAPI, DataPlane):
 
     def _on_fetch_cancel(self, message: FetchCancel, out: list[MOQTEvent]) -> None:
         rid = message.request_id
-        kinds = frozenset({_K.FETCH})
+        kinds = frozenset({RequestKind.FETCH})
         if self.requests.apply(rid, Signal.FETCH_CANCEL, by_local=False, kinds=kinds):
             self._reset_streams_of(rid, StreamResetCode.CANCELLED)
             out.append(FetchCancelReceived(rid))
@@ -467,7 +472,7 @@ class MOQTSession(RequestAPI, DataPlane):
     def _on_publish_namespace_done(
         self, message: PublishNamespaceDone, out: list[MOQTEvent]
     ) -> None:
-        kinds = frozenset({_K.PUBLISH_NAMESPACE})
+        kinds = frozenset({RequestKind.PUBLISH_NAMESPACE})
         request = self.requests.apply(
             message.request_id, Signal.NAMESPACE_DONE, by_local=False, kinds=kinds
         )
@@ -484,7 +489,7 @@ class MOQTSession(RequestAPI, DataPlane):
         rid = message.request_id
         if self.requests.get(rid) is not None:
             self._check_new_alias(message.track_alias)
-        if self._reply(rid, Signal.OK, frozenset({_K.SUBSCRIBE})):
+        if self._reply(rid, Signal.OK, frozenset({RequestKind.SUBSCRIBE})):
             request = self.requests.get(rid)
             if request is not None:
                 request.track_alias = message.track_alias
@@ -499,11 +504,11 @@ class MOQTSession(RequestAPI, DataPlane):
             )
 
     def _on_publish_ok(self, message: PublishOk, out: list[MOQTEvent]) -> None:
-        if self._reply(message.request_id, Signal.OK, frozenset({_K.PUBLISH})):
+        if self._reply(message.request_id, Signal.OK, frozenset({RequestKind.PUBLISH})):
             out.append(PublishOkReceived(message.request_id, message))
 
     def _on_fetch_ok(self, message: FetchOk, out: list[MOQTEvent]) -> None:
-        if self._reply(message.request_id, Signal.OK, frozenset({_K.FETCH})):
+        if self._reply(message.request_id, Signal.OK, frozenset({RequestKind.FETCH})):
             out.append(FetchOkReceived(message.request_id, message))
 
     def _on_request_ok(self, message: RequestOk, out: list[MOQTEvent]) -> None:
@@ -521,7 +526,7 @@ class MOQTSession(RequestAPI, DataPlane):
     def _on_publish_namespace_cancel(
         self, message: PublishNamespaceCancel, out: list[MOQTEvent]
     ) -> None:
-        kinds = frozenset({_K.PUBLISH_NAMESPACE})
+        kinds = frozenset({RequestKind.PUBLISH_NAMESPACE})
         if self._reply(message.request_id, Signal.NAMESPACE_CANCEL, kinds):
             out.append(
                 PublishNamespaceCancelReceived(
@@ -560,7 +565,7 @@ class MOQTSession(RequestAPI, DataPlane):
         if stream.request_id is not None or not isinstance(message, SubscribeNamespace):
             # §3.3: a bidi stream opens with SUBSCRIBE_NAMESPACE and carries nothing else
             raise ProtocolViolation(f"{message.TYPE.name} on a SUBSCRIBE_NAMESPACE stream")
-        request = self._accept(message.request_id, _K.SUBSCRIBE_NAMESPACE, message)
+        request = self._accept(message.request_id, RequestKind.SUBSCRIBE_NAMESPACE, message)
         request.stream_id = stream_id
         stream.request_id = message.request_id
         out.append(SubscribeNamespaceReceived(message.request_id, message))
@@ -575,7 +580,7 @@ class MOQTSession(RequestAPI, DataPlane):
         rid = stream.request_id
         if rid is None:
             raise ProtocolViolation("reply on a namespace stream with no request")
-        kinds = frozenset({_K.SUBSCRIBE_NAMESPACE})
+        kinds = frozenset({RequestKind.SUBSCRIBE_NAMESPACE})
         if not stream.replied:
             # §9.25: the first message back is REQUEST_OK or REQUEST_ERROR
             if isinstance(message, RequestOk):
@@ -606,7 +611,7 @@ class MOQTSession(RequestAPI, DataPlane):
         if stream is None or stream.request_id is None:
             return
         rid = stream.request_id
-        kinds = frozenset({_K.SUBSCRIBE_NAMESPACE})
+        kinds = frozenset({RequestKind.SUBSCRIBE_NAMESPACE})
         if self.requests.apply(rid, Signal.STREAM_CLOSED, by_local=False, kinds=kinds):
             self._fin_namespace_stream(stream_id, error_code)
             out.append(SubscribeNamespaceEnded(rid, error_code))

@@ -52,11 +52,15 @@ from .session_state import (
 )
 from .wire import KeyValuePair, Location, TrackNamespace
 
-_K = RequestKind
 _NO_PARAMS = MessageParameters()
-_SUBSCRIPTIONS = frozenset({_K.SUBSCRIBE, _K.PUBLISH})
+_SUBSCRIPTIONS = frozenset({RequestKind.SUBSCRIBE, RequestKind.PUBLISH})
 _REQUEST_OK_KINDS = frozenset(
-    {_K.TRACK_STATUS, _K.REQUEST_UPDATE, _K.PUBLISH_NAMESPACE, _K.SUBSCRIBE_NAMESPACE}
+    {
+        RequestKind.TRACK_STATUS,
+        RequestKind.REQUEST_UPDATE,
+        RequestKind.PUBLISH_NAMESPACE,
+        RequestKind.SUBSCRIBE_NAMESPACE,
+    }
 )
 
 
@@ -130,7 +134,7 @@ class RequestAPI:
             track_name=track_name,
             parameters=parameters,
         )
-        return self._open(_K.SUBSCRIBE, message, rid)
+        return self._open(RequestKind.SUBSCRIBE, message, rid)
 
     def fetch(
         self,
@@ -151,7 +155,7 @@ class RequestAPI:
             track_namespace=track_namespace, track_name=track_name, start=start, end=end
         )
         return self._open(
-            _K.FETCH, Fetch(request_id=rid, target=target, parameters=parameters), rid
+            RequestKind.FETCH, Fetch(request_id=rid, target=target, parameters=parameters), rid
         )
 
     def joining_fetch(
@@ -169,14 +173,18 @@ class RequestAPI:
             see :meth:`subscribe`.
         """
         subscription = self.requests.get(subscribe_request_id)
-        if subscription is None or subscription.kind != _K.SUBSCRIBE or not subscription.local:
+        if (
+            subscription is None
+            or subscription.kind != RequestKind.SUBSCRIBE
+            or not subscription.local
+        ):
             raise LocalProtocolError(f"{subscribe_request_id} is not an open SUBSCRIBE of ours")
         rid = self._next_request_id()
         target = JoiningFetch(
             joining_request_id=subscribe_request_id, joining_start=joining_start, absolute=absolute
         )
         return self._open(
-            _K.FETCH, Fetch(request_id=rid, target=target, parameters=parameters), rid
+            RequestKind.FETCH, Fetch(request_id=rid, target=target, parameters=parameters), rid
         )
 
     def publish(
@@ -203,7 +211,7 @@ class RequestAPI:
             parameters=parameters,
             track_extensions=track_extensions,
         )
-        self._open(_K.PUBLISH, message, rid)
+        self._open(RequestKind.PUBLISH, message, rid)
         request = self.requests.get(rid)
         if request is not None:
             request.track_alias = alias
@@ -228,7 +236,7 @@ class RequestAPI:
             track_name=track_name,
             parameters=parameters,
         )
-        return self._open(_K.TRACK_STATUS, message, rid)
+        return self._open(RequestKind.TRACK_STATUS, message, rid)
 
     def request_update(
         self, existing_request_id: int, *, parameters: MessageParameters = _NO_PARAMS
@@ -244,7 +252,7 @@ class RequestAPI:
         message = RequestUpdate(
             request_id=rid, existing_request_id=existing_request_id, parameters=parameters
         )
-        return self._open(_K.REQUEST_UPDATE, message, rid)
+        return self._open(RequestKind.REQUEST_UPDATE, message, rid)
 
     def publish_namespace(
         self, track_namespace: TrackNamespace, *, parameters: MessageParameters = _NO_PARAMS
@@ -258,7 +266,7 @@ class RequestAPI:
         message = PublishNamespace(
             request_id=rid, track_namespace=track_namespace, parameters=parameters
         )
-        return self._open(_K.PUBLISH_NAMESPACE, message, rid)
+        return self._open(RequestKind.PUBLISH_NAMESPACE, message, rid)
 
     def subscribe_namespace(
         self,
@@ -285,7 +293,7 @@ class RequestAPI:
         data = message.encode()
         self.requests.ids.commit(rid)
         stream_id = self._quic.get_next_available_stream_id(is_unidirectional=False)
-        request = Request(rid, _K.SUBSCRIBE_NAMESPACE, local=True, message=message)
+        request = Request(rid, RequestKind.SUBSCRIBE_NAMESPACE, local=True, message=message)
         request.stream_id = stream_id
         self.requests.add(request)
         self._new_namespace_stream(stream_id, rid)
@@ -309,7 +317,7 @@ class RequestAPI:
         Raises:
             LocalProtocolError: no such open fetch of ours.
         """
-        kinds = frozenset({_K.FETCH})
+        kinds = frozenset({RequestKind.FETCH})
         self.requests.apply(request_id, Signal.FETCH_CANCEL, by_local=True, kinds=kinds)
         self._send_control(FetchCancel(request_id=request_id))
 
@@ -319,7 +327,7 @@ class RequestAPI:
         Raises:
             LocalProtocolError: no such open PUBLISH_NAMESPACE of ours.
         """
-        kinds = frozenset({_K.PUBLISH_NAMESPACE})
+        kinds = frozenset({RequestKind.PUBLISH_NAMESPACE})
         self.requests.apply(request_id, Signal.NAMESPACE_DONE, by_local=True, kinds=kinds)
         self._send_control(PublishNamespaceDone(request_id=request_id))
 
@@ -330,7 +338,7 @@ class RequestAPI:
             LocalProtocolError: no such open SUBSCRIBE_NAMESPACE of ours.
         """
         request = self.requests.get(request_id)
-        kinds = frozenset({_K.SUBSCRIBE_NAMESPACE})
+        kinds = frozenset({RequestKind.SUBSCRIBE_NAMESPACE})
         self.requests.apply(request_id, Signal.STREAM_CLOSED, by_local=True, kinds=kinds)
         if request is not None and request.stream_id is not None:
             self._close_namespace_stream(request.stream_id)
@@ -351,9 +359,9 @@ class RequestAPI:
 
     @staticmethod
     def _publishes(request: Request) -> bool:
-        if request.kind == _K.PUBLISH:
+        if request.kind == RequestKind.PUBLISH:
             return request.local
-        return request.kind == _K.SUBSCRIBE and not request.local
+        return request.kind == RequestKind.SUBSCRIBE and not request.local
 
     def subscribe_ok(
         self,
@@ -369,7 +377,7 @@ class RequestAPI:
             LocalProtocolError: no such pending SUBSCRIBE from the peer, or the alias is in use.
         """
         alias = self._allocate_alias(track_alias)
-        kinds = frozenset({_K.SUBSCRIBE})
+        kinds = frozenset({RequestKind.SUBSCRIBE})
         request = self.requests.apply(request_id, Signal.OK, by_local=True, kinds=kinds)
         if request is not None:
             request.track_alias = alias
@@ -389,7 +397,9 @@ class RequestAPI:
         Raises:
             LocalProtocolError: no such pending PUBLISH from the peer.
         """
-        self.requests.apply(request_id, Signal.OK, by_local=True, kinds=frozenset({_K.PUBLISH}))
+        self.requests.apply(
+            request_id, Signal.OK, by_local=True, kinds=frozenset({RequestKind.PUBLISH})
+        )
         self._send_control(PublishOk(request_id=request_id, parameters=parameters))
 
     def fetch_ok(
@@ -406,7 +416,9 @@ class RequestAPI:
         Raises:
             LocalProtocolError: no such pending FETCH from the peer.
         """
-        self.requests.apply(request_id, Signal.OK, by_local=True, kinds=frozenset({_K.FETCH}))
+        self.requests.apply(
+            request_id, Signal.OK, by_local=True, kinds=frozenset({RequestKind.FETCH})
+        )
         self._send_control(
             FetchOk(
                 request_id=request_id,
@@ -445,13 +457,13 @@ class RequestAPI:
         self._send_reply(request, message)
         if (
             request is not None
-            and request.kind == _K.SUBSCRIBE_NAMESPACE
+            and request.kind == RequestKind.SUBSCRIBE_NAMESPACE
             and request.stream_id is not None
         ):
             self._close_namespace_stream(request.stream_id)
 
     def _send_reply(self, request: Request | None, message: ControlMessage) -> None:
-        if request is not None and request.kind == _K.SUBSCRIBE_NAMESPACE:
+        if request is not None and request.kind == RequestKind.SUBSCRIBE_NAMESPACE:
             if request.stream_id is None:
                 raise LocalProtocolError("SUBSCRIBE_NAMESPACE without a stream")
             self._quic.send_stream_data(request.stream_id, message.encode())
@@ -504,7 +516,7 @@ class RequestAPI:
         self._namespace_notice(request_id, NamespaceDone(track_namespace_suffix=suffix))
 
     def _namespace_notice(self, request_id: int, message: ControlMessage) -> None:
-        kinds = frozenset({_K.SUBSCRIBE_NAMESPACE})
+        kinds = frozenset({RequestKind.SUBSCRIBE_NAMESPACE})
         request = self.requests.apply(request_id, Signal.NAMESPACE, by_local=True, kinds=kinds)
         if request is None or request.stream_id is None:
             raise LocalProtocolError(f"SUBSCRIBE_NAMESPACE {request_id} has no stream")
@@ -518,7 +530,7 @@ class RequestAPI:
         Raises:
             LocalProtocolError: no such accepted PUBLISH_NAMESPACE.
         """
-        kinds = frozenset({_K.PUBLISH_NAMESPACE})
+        kinds = frozenset({RequestKind.PUBLISH_NAMESPACE})
         self.requests.apply(request_id, Signal.NAMESPACE_CANCEL, by_local=True, kinds=kinds)
         self._send_control(
             PublishNamespaceCancel(request_id=request_id, error_code=error_code, reason=reason)

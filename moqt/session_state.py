@@ -83,52 +83,63 @@ class Party(Enum):
     RESPONDER = auto()
 
 
-_K, _S, _G, _P = RequestKind, RequestState, Signal, Party
-_PENDING, _EST, _CLOSED = _S.PENDING, _S.ESTABLISHED, _S.CLOSED
-_REQ, _RESP = _P.REQUESTER, _P.RESPONDER
-
-TRANSITIONS: dict[tuple[RequestKind, RequestState, Signal, Party], RequestState] = {
+TRANSITIONS: dict[RequestKind, dict[tuple[RequestState, Signal, Party], RequestState]] = {
     # SUBSCRIBE: the requester subscribes, the responder publishes (§5.1, §9.9-9.15)
-    (_K.SUBSCRIBE, _PENDING, _G.OK, _RESP): _EST,
-    (_K.SUBSCRIBE, _PENDING, _G.ERROR, _RESP): _CLOSED,
-    (_K.SUBSCRIBE, _EST, _G.PUBLISH_DONE, _RESP): _CLOSED,
-    (_K.SUBSCRIBE, _PENDING, _G.UNSUBSCRIBE, _REQ): _CLOSED,
-    (_K.SUBSCRIBE, _EST, _G.UNSUBSCRIBE, _REQ): _CLOSED,
-    (_K.SUBSCRIBE, _PENDING, _G.UPDATE, _REQ): _PENDING,
-    (_K.SUBSCRIBE, _EST, _G.UPDATE, _REQ): _EST,
+    RequestKind.SUBSCRIBE: {
+        (RequestState.PENDING, Signal.OK, Party.RESPONDER): RequestState.ESTABLISHED,
+        (RequestState.PENDING, Signal.ERROR, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.PUBLISH_DONE, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.PENDING, Signal.UNSUBSCRIBE, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.UNSUBSCRIBE, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.PENDING, Signal.UPDATE, Party.REQUESTER): RequestState.PENDING,
+        (RequestState.ESTABLISHED, Signal.UPDATE, Party.REQUESTER): RequestState.ESTABLISHED,
+    },
     # PUBLISH: the requester publishes, the responder subscribes (§9.13-9.15)
-    (_K.PUBLISH, _PENDING, _G.OK, _RESP): _EST,
-    (_K.PUBLISH, _PENDING, _G.ERROR, _RESP): _CLOSED,
-    (_K.PUBLISH, _PENDING, _G.PUBLISH_DONE, _REQ): _CLOSED,
-    (_K.PUBLISH, _EST, _G.PUBLISH_DONE, _REQ): _CLOSED,
-    (_K.PUBLISH, _EST, _G.UNSUBSCRIBE, _RESP): _CLOSED,
-    (_K.PUBLISH, _EST, _G.UPDATE, _RESP): _EST,
+    RequestKind.PUBLISH: {
+        (RequestState.PENDING, Signal.OK, Party.RESPONDER): RequestState.ESTABLISHED,
+        (RequestState.PENDING, Signal.ERROR, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.PENDING, Signal.PUBLISH_DONE, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.PUBLISH_DONE, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.UNSUBSCRIBE, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.UPDATE, Party.RESPONDER): RequestState.ESTABLISHED,
+    },
     # FETCH (§9.16-9.18); the fetch stream may finish before FETCH_OK arrives
-    (_K.FETCH, _PENDING, _G.OK, _RESP): _EST,
-    (_K.FETCH, _PENDING, _G.ERROR, _RESP): _CLOSED,
-    (_K.FETCH, _PENDING, _G.FETCH_CANCEL, _REQ): _CLOSED,
-    (_K.FETCH, _EST, _G.FETCH_CANCEL, _REQ): _CLOSED,
-    (_K.FETCH, _PENDING, _G.FETCH_COMPLETE, _RESP): _PENDING,
-    (_K.FETCH, _EST, _G.FETCH_COMPLETE, _RESP): _CLOSED,
+    RequestKind.FETCH: {
+        (RequestState.PENDING, Signal.OK, Party.RESPONDER): RequestState.ESTABLISHED,
+        (RequestState.PENDING, Signal.ERROR, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.PENDING, Signal.FETCH_CANCEL, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.FETCH_CANCEL, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.PENDING, Signal.FETCH_COMPLETE, Party.RESPONDER): RequestState.PENDING,
+        (RequestState.ESTABLISHED, Signal.FETCH_COMPLETE, Party.RESPONDER): RequestState.CLOSED,
+    },
     # one reply and done (§9.11, §9.19)
-    (_K.TRACK_STATUS, _PENDING, _G.OK, _RESP): _CLOSED,
-    (_K.TRACK_STATUS, _PENDING, _G.ERROR, _RESP): _CLOSED,
-    (_K.REQUEST_UPDATE, _PENDING, _G.OK, _RESP): _CLOSED,
-    (_K.REQUEST_UPDATE, _PENDING, _G.ERROR, _RESP): _CLOSED,
+    RequestKind.TRACK_STATUS: {
+        (RequestState.PENDING, Signal.OK, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.PENDING, Signal.ERROR, Party.RESPONDER): RequestState.CLOSED,
+    },
+    RequestKind.REQUEST_UPDATE: {
+        (RequestState.PENDING, Signal.OK, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.PENDING, Signal.ERROR, Party.RESPONDER): RequestState.CLOSED,
+    },
     # PUBLISH_NAMESPACE (§9.20-9.24)
-    (_K.PUBLISH_NAMESPACE, _PENDING, _G.OK, _RESP): _EST,
-    (_K.PUBLISH_NAMESPACE, _PENDING, _G.ERROR, _RESP): _CLOSED,
-    (_K.PUBLISH_NAMESPACE, _PENDING, _G.NAMESPACE_DONE, _REQ): _CLOSED,
-    (_K.PUBLISH_NAMESPACE, _EST, _G.NAMESPACE_DONE, _REQ): _CLOSED,
-    (_K.PUBLISH_NAMESPACE, _EST, _G.NAMESPACE_CANCEL, _RESP): _CLOSED,
+    RequestKind.PUBLISH_NAMESPACE: {
+        (RequestState.PENDING, Signal.OK, Party.RESPONDER): RequestState.ESTABLISHED,
+        (RequestState.PENDING, Signal.ERROR, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.PENDING, Signal.NAMESPACE_DONE, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.NAMESPACE_DONE, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.NAMESPACE_CANCEL, Party.RESPONDER): RequestState.CLOSED,
+    },
     # SUBSCRIBE_NAMESPACE on its own bidi stream (§9.25)
-    (_K.SUBSCRIBE_NAMESPACE, _PENDING, _G.OK, _RESP): _EST,
-    (_K.SUBSCRIBE_NAMESPACE, _PENDING, _G.ERROR, _RESP): _CLOSED,
-    (_K.SUBSCRIBE_NAMESPACE, _EST, _G.NAMESPACE, _RESP): _EST,
-    (_K.SUBSCRIBE_NAMESPACE, _PENDING, _G.STREAM_CLOSED, _REQ): _CLOSED,
-    (_K.SUBSCRIBE_NAMESPACE, _EST, _G.STREAM_CLOSED, _REQ): _CLOSED,
-    (_K.SUBSCRIBE_NAMESPACE, _EST, _G.STREAM_CLOSED, _RESP): _CLOSED,
+    RequestKind.SUBSCRIBE_NAMESPACE: {
+        (RequestState.PENDING, Signal.OK, Party.RESPONDER): RequestState.ESTABLISHED,
+        (RequestState.PENDING, Signal.ERROR, Party.RESPONDER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.NAMESPACE, Party.RESPONDER): RequestState.ESTABLISHED,
+        (RequestState.PENDING, Signal.STREAM_CLOSED, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.STREAM_CLOSED, Party.REQUESTER): RequestState.CLOSED,
+        (RequestState.ESTABLISHED, Signal.STREAM_CLOSED, Party.RESPONDER): RequestState.CLOSED,
+    },
 }
+"""Kind → (state, signal, party) → the state after it; a signal not listed is illegal."""
 
 
 @dataclass(slots=True)
@@ -314,7 +325,7 @@ class RequestTable:
                 raise LocalProtocolError(what)
             raise ProtocolViolation(what)
         party = Party.REQUESTER if request.local == by_local else Party.RESPONDER
-        new_state = TRANSITIONS.get((request.kind, request.state, signal, party))
+        new_state = TRANSITIONS[request.kind].get((request.state, signal, party))
         if new_state is None:
             what = f"{signal.name} by the {party.name.lower()} of {request.kind.name} "
             what += f"{request_id} in state {request.state.name}"

@@ -8,8 +8,7 @@
   reference-engine instances;
 * :mod:`kvsp.demo.client` is the demo's HTTP client of the PC, the IS and the instances;
 * :mod:`kvsp.demo.scenario`, :mod:`kvsp.demo.moqt_step` and :mod:`kvsp.demo.failover` play
-  the scenario;
-  :mod:`kvsp.demo.summary` prints its report;
+  the scenario; :mod:`kvsp.demo.summary` prints its report;
 * :mod:`kvsp.demo.status` prints a running cluster's tables; :mod:`kvsp.demo.console` draws
   progress bars and tables; :mod:`kvsp.demo.cli` adds the subcommands.
 

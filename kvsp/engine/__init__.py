@@ -1,8 +1,10 @@
-"""The reference engine (DESIGN.md §5–6): a Llama-family decoder in torch with paged KV
-buffers, and the device sinks that take verified container layers into those buffers.
+"""The engines an inference instance drives (DESIGN.md §1, §5–6): the interface, a toy engine,
+and the torch reference engine with paged KV buffers and device sinks.
 
-torch is an optional extra, so this package file imports nothing; the submodules need it
-(``config`` and ``tokenizer`` do not):
+torch is an optional extra, so this package file imports nothing. :mod:`kvsp.engine.api`
+(the interface), :mod:`kvsp.engine.worker` (the one engine thread) and :mod:`kvsp.engine.toy`
+(the deterministic CPU engine) run without it; so do ``config``, ``tokenizer`` and ``shards``
+(numpy only). :mod:`kvsp.engine.reference` adapts the torch engine built from:
 
 * :mod:`kvsp.engine.config` — ``config.json`` of a Llama checkpoint, its §4.1 ``positional``;
 * :mod:`kvsp.engine.tokenizer` — the byte-level tokenizer and its definition file;

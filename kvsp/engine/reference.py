@@ -16,12 +16,11 @@ measured tokens per second and its KV pages in use.
 Threading is the toy engine's: the one engine thread of :mod:`kvsp.engine.worker` owns the
 model and the paged cache and runs, each round, one queued job (a prefill or a release) and
 then one decode step of every sequence being generated, so the event loop never waits on
-compute. Held blocks (§6.5
-prefetch targets and blocks computed here) stay in host memory as containers and are copied
-into pages when a prompt uses them.
+compute. Held blocks (§6.5 prefetch targets and blocks computed here) stay in host memory as
+containers and are copied into pages when a prompt uses them.
 
-torch is imported only by this module and :mod:`kvsp.engine`; nothing imports this module
-unless ``--engine reference`` is chosen.
+torch is imported only by this module and the torch engine's own submodules of
+:mod:`kvsp.engine`; nothing imports this module unless ``--engine reference`` is chosen.
 """
 
 from __future__ import annotations

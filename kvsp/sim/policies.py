@@ -32,9 +32,9 @@ the time the one at the head of the queue has been running (:class:`PlacedWork`)
 ``queued * mean service time`` counts neither the running request nor the sizes of the queued
 ones, so an instance that has just started a 100k-token prompt looks idle.
 
-Tried and dropped: an overlap-aware cost (``max(W + P, F + P / L)`` for a prefetch that overlaps
-the wait and layer-wise loading) changed the conversation trace's average TTFT by under 1 % and
-made the synthetic trace's 8 % worse (it fetched twice as many blocks and evicted more).
+The cost does not credit a prefetch with overlapping the wait and layer-wise loading
+(``max(W + P, F + P / L)``): on the traces that choice fetches far more blocks and evicts more
+without lowering TTFT.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A record is kept without its block key, compat id and scope id (the key names ca
 ``version (1) ‖ codec (2) ‖ size (8) ‖ ttl_ms (8) ‖ digest (32) ‖ flags (1) ‖ holder``, then,
 as the flags say, the layer digests, the residency section, ``moqt_namespace`` and
 ``lease_base``; strings and sections are preceded by a 4-octet length, integers are big-endian.
-It is less than half the record's JSON and decodes ~5x faster (``bench/bench_index.py`` prints
+It is less than half the record's JSON and decodes faster (``bench/bench_index.py`` prints
 both). A *key value* is the largest expiry of its entries (15 ASCII digits), then per holder
 ``holder id (16) ‖ expiry (15 digits) ‖ length (10 digits) ‖ compact record``.
 """

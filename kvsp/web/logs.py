@@ -1,4 +1,4 @@
-"""Service logs: one JSON object per line, each tied to its request (issue 8 "Operations").
+"""Service logs: one JSON object per line, each tied to its request (DESIGN.md §2 ``web/``).
 
 :class:`RequestContextMiddleware` gives every HTTP request an id: the client's ``X-Request-Id``
 when it is a short token (1-64 of ``A-Z a-z 0-9 . _ ~ -``), else a new random one. The id is

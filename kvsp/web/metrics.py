@@ -1,4 +1,4 @@
-"""Prometheus metrics of every KVSP service (issue 8 "Operations"; DESIGN.md §1 the parts).
+"""Prometheus metrics of every KVSP service (DESIGN.md §1 the parts, §2 ``web/``).
 
 Each app gets its own :class:`ServiceMetrics` with its own ``CollectorRegistry`` (several apps
 may share one process, as in the tests), mounted by :func:`install_metrics`:

@@ -1,6 +1,6 @@
 """``GET /openapi.json``: an OpenAPI 3.1 description of each service's HTTP resources (spec
 §4.4 records, §6.1-6.9 resources, §11.1 media types; DESIGN.md §3 resource table, problem
-types, authentication; issue 8 "Operations").
+types, authentication).
 
 The document of an app is built from the app's own routes: every ``(method, path template)`` it
 serves is looked up in :data:`OPERATIONS`, so a service describes exactly what it serves. A

@@ -48,7 +48,7 @@ def _dumps_stdlib(obj: Any) -> bytes:
 
 def _pick_dumps() -> Callable[[Any], bytes]:
     try:
-        import orjson  # a core dependency for speed (DESIGN.md §7: 20x stdlib); json if absent
+        import orjson  # a core dependency for speed (DESIGN.md §7); json if absent
     except ImportError:
         return _dumps_stdlib
     dumps: Callable[[Any], bytes] = orjson.dumps

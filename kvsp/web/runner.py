@@ -1,8 +1,8 @@
 """Running a service app under uvicorn (DESIGN.md §1 services, §7 measured HTTP paths).
 
 :func:`serve` binds the listening socket itself (port 0 picks an ephemeral port), runs uvicorn
-on it with the fast loop and parser when importable (uvloop + httptools measured 2.6–3.0 GB/s
-against 1.6 GB/s for h11), writes the base URL to a ready file once the server accepts
+on it with the fast loop and parser when importable (uvloop and httptools move block bodies
+much faster than h11), writes the base URL to a ready file once the server accepts
 connections, and shuts down cleanly on SIGTERM or SIGINT with exit status 0.
 """
 

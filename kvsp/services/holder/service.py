@@ -5,7 +5,7 @@ Service (spec §6.1 publishing and withdrawing, §6.6 leases, §6.7 block retrie
 and relays; the HTTP shell is :mod:`kvsp.services.holder.app`. Choices the spec leaves open:
 
 * Blocks are stored whole, as the container that was PUT; only codec raw (1) is stored or
-  served, and ``?codec=`` naming any other codec is answered 406 (no transcoding yet).
+  served, and ``?codec=`` naming any other codec is answered 406 (this holder does not transcode).
 * A PUT container must match its descriptor's geometry (§4.3) and hold exactly
   ``block_tokens`` tokens (§4.2: only complete blocks have keys). It may hold a layer
   sub-range, which it serves (ranges it lacks answer ``kvsp-layers-unavailable``) but does not

@@ -53,9 +53,10 @@ from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.container import Geometry, decode_container, replica_digest
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord
-from kvsp.transfer.block_client import BlockClient, Hashing
+from kvsp.transfer.block_client import BlockClient
 from kvsp.transfer.buffers import BufferPool
 from kvsp.transfer.bulk import BulkClient, BytesBody
+from kvsp.transfer.verify import Hashing
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
 

@@ -45,12 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kvsp.transfer.block_client import BlockClient  # noqa: E402
-from kvsp.transfer.moqt_client import (  # noqa: E402
-    MemoryBlocks,
-    MoqtBlockClient,
-    StoredBlock,
-    UnifiedBlockClient,
-)
+from kvsp.transfer.moqt_client import MoqtBlockClient  # noqa: E402
+from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock  # noqa: E402
 from moqt.certs import make_self_signed  # noqa: E402
 
 KIT = REPO / "tests" / "reliability"
@@ -162,14 +158,14 @@ async def relay_loop(
         await announce(name)
     moqt = MoqtBlockClient(cafile=str(cert), server_name="localhost", timeout=2.0)
     try:
-        async with UnifiedBlockClient(BlockClient(None), moqt) as client:
+        async with BlockClient(None, moqt=moqt) as client:
             for _ in range(iterations):
                 order, both, at = plan(rng, names, kit.GEOMETRY.layers)
                 records = [block.record(urls[n]) for n in order]
                 killed = order if both else order[:1]
                 sink = crash.KillingSink(at, functools.partial(kill, procs, killed))
                 began = time.monotonic()
-                got = await client.fetch_block(
+                got = await client.fetch(
                     records, geometry=kit.GEOMETRY, block_tokens=kit.TOKENS, sink=sink
                 )
                 if got is not None:

@@ -636,7 +636,7 @@ def measure_http(seconds: float) -> float:
 
 def publisher_main(backend: str, cert: str, key: str, pipe: Connection) -> None:
     """A MOQT server publishing the block (serve_blocks) for direct FETCH."""
-    from kvsp.transfer.moqt_client import MemoryBlocks, StoredBlock, serve_blocks
+    from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock, serve_blocks
 
     async def main() -> None:
         blocks = MemoryBlocks()
@@ -699,12 +699,8 @@ RELAY_BLOCKS = 64  # distinct blocks, so that each forwarded FETCH misses the re
 def relay_publisher_main(backend: str, relay_url: str, pipe: Connection) -> None:
     """An instance's session to the relay: its scope announced, RELAY_BLOCKS stored blocks,
     and live tracks produced on command ("open N" then "go N")."""
-    from kvsp.transfer.moqt_client import (
-        MemoryBlocks,
-        MoqtBlockPublisher,
-        StoredBlock,
-        parse_moqt_uri,
-    )
+    from kvsp.transfer.moqt_publisher import MemoryBlocks, MoqtBlockPublisher, StoredBlock
+    from kvsp.transfer.moqt_transfer import parse_moqt_uri
 
     async def main() -> None:
         blocks = MemoryBlocks()

@@ -27,7 +27,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, TypedDict
 
 from kvsp.errors import (
     ContainerError,
@@ -213,6 +213,30 @@ class FixedHeader:
     token_count: int
 
 
+class HeaderFields(TypedDict):
+    """The §4.3 fixed-header fields that :class:`FixedHeader`, :class:`ContainerHeader` and
+    :class:`Container` share, as keyword arguments (``Container(**header_fields(h), ...)``)."""
+
+    version: int
+    flags: int
+    codec: int
+    first_layer: int
+    layer_count: int
+    token_count: int
+
+
+def header_fields(header: FixedHeader | ContainerHeader | Container) -> HeaderFields:
+    """The fixed-header fields of a header or a container, to build another from them."""
+    return HeaderFields(
+        version=header.version,
+        flags=header.flags,
+        codec=header.codec,
+        first_layer=header.first_layer,
+        layer_count=header.layer_count,
+        token_count=header.token_count,
+    )
+
+
 def check_magic_prefix(prefix: Buffer) -> None:
     """Reject input whose first octets cannot begin a container.
 
@@ -304,15 +328,7 @@ def parse_header(
     entries = data[KVB1_HEADER.size : size]
     lengths = tuple(KVB1_LAYER_LENGTHS.iter_unpack(entries))
     check_lengths(fixed.codec, fixed.first_layer, fixed.token_count, lengths, geometry, limits)
-    return ContainerHeader(
-        version=fixed.version,
-        flags=fixed.flags,
-        codec=fixed.codec,
-        first_layer=fixed.first_layer,
-        layer_count=fixed.layer_count,
-        token_count=fixed.token_count,
-        lengths=lengths,
-    )
+    return ContainerHeader(**header_fields(fixed), lengths=lengths)
 
 
 def check_lengths(
@@ -454,15 +470,8 @@ class Container:
     @property
     def header(self) -> ContainerHeader:
         """The container's header."""
-        return ContainerHeader(
-            version=self.version,
-            flags=self.flags,
-            codec=self.codec,
-            first_layer=self.first_layer,
-            layer_count=self.layer_count,
-            token_count=self.token_count,
-            lengths=tuple((layer.k.nbytes, layer.v.nbytes) for layer in self.layers),
-        )
+        lengths = tuple((layer.k.nbytes, layer.v.nbytes) for layer in self.layers)
+        return ContainerHeader(**header_fields(self), lengths=lengths)
 
     @property
     def header_bytes(self) -> bytes:
@@ -613,15 +622,7 @@ def decode_container(
         k_end = offset + k_len
         layers.append(Layer(header.first_layer + i, mv[offset:k_end], mv[k_end : k_end + v_len]))
         offset = k_end + v_len
-    return Container(
-        version=header.version,
-        flags=header.flags,
-        codec=header.codec,
-        first_layer=header.first_layer,
-        layer_count=header.layer_count,
-        token_count=header.token_count,
-        layers=tuple(layers),
-    )
+    return Container(**header_fields(header), layers=tuple(layers))
 
 
 # -- verification (§6.7) -----------------------------------------------------------------------

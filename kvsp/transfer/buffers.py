@@ -5,8 +5,7 @@ A verified block is handed out as views of the one buffer its body landed in (§
 client verifies every octet before anyone sees them). A fresh 2 MiB buffer per block costs
 the kernel a page fault and a zeroed page for every 4 KiB the socket writes into it, and
 ``free`` gives the pages back when the block is dropped, so the next block faults them in
-again: 0.06-0.16 ms of CPU per 2 MiB block, 3-8 % of the verifying client's (the "fresh
-buffers" line of ``bench_blocks.py`` against the one above it).
+again (the "fresh buffers" line of ``bench/bench_blocks.py`` shows the cost).
 
 :class:`BufferPool` keeps the memory of dropped blocks and gives it to the next body of the
 same size. It never decides by itself that a buffer is free: each one handed out is a NumPy

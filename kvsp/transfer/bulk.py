@@ -1,11 +1,9 @@
 """The bulk HTTP/1.1 path for block bodies (spec §6.7; DESIGN.md §7, "choose the bulk client by
 measurement"; RFC 9112 message syntax).
 
-Chosen by ``bench/bench_blocks.py`` (2-core dev machine shared with other jobs, load ≈ 2,
-``kvsp serve holder`` on uvicorn + uvloop + httptools, 2 MiB KVB1 bodies, 1 in flight, median
-of 5): httpx 0.17 GB/s, aiohttp 0.81 GB/s, this client 1.22 GB/s against 1.44 GB/s for a bare
-blocking socket; its CPU per block is within 0.1–0.3 ms of the bare socket's. So the bulk
-path is this small client, with no added dependency:
+Chosen by ``bench/bench_blocks.py``: against a holder, this client moves block bodies faster
+than httpx and aiohttp, close to a bare blocking socket and at little more CPU per block. So
+the bulk path is this small client, with no added dependency:
 
 * :class:`ResponseParser` is a sans-I/O HTTP/1.1 response parser with limits: status line and
   fields strictly checked, the header block at most 64 KiB, ``Content-Length``, ``chunked``

@@ -1,64 +1,47 @@
-"""KVSP over MOQT draft-16: the verified consumer, and the one client for both transports
-(DESIGN.md §4; spec §4.3, §4.4 ``moqt_namespace``, §6.1, §6.7).
+"""The MOQT consumer of KV blocks: sessions to ``moqt://`` holders and relays, FETCH of
+stored tracks and SUBSCRIBE to live ones, every layer verified before it is handed out
+(DESIGN.md §4; spec §4.3, §6.1, §6.7).
 
-:class:`MoqtBlockClient` gets a replica named by a ``moqt://`` Replica Record. It checks that
-the record's ``moqt_namespace`` names the record's own block, FETCHes the stored track (named by
-the replica digest) for the asked layers, checks every object against the record's
-``layer_digests`` before handing its layer out (§6.7: a layer that fails is never handed out,
-and the transfer stops), and rebuilds the container header the objects lack from the record
-and the descriptor's geometry. :meth:`MoqtBlockClient.subscribe_live` follows a block still
-being computed: each layer is checked by the digest its object carries in-band, or, where a
-relay stripped it, at completion against the producer's published record.
-:class:`UnifiedBlockClient` walks replicas of either kind in the order given (§6.1: any failure
-means "try the next").
-
-The publisher side lives in :mod:`kvsp.transfer.moqt_publisher` and is re-exported here.
+:class:`MoqtBlockClient` keeps one MOQT session per holder address. ``get_block`` FETCHes
+the stored track (named by the replica digest) for the asked layers and checks every object
+against the record's ``layer_digests`` (§6.7: a layer that fails is never handed out, and the
+transfer stops); ``subscribe_live`` follows a block still being computed, each layer checked
+by the digest its object carries in-band or, where a relay stripped it, at completion against
+the producer's published record. The session-free parts of one transfer (plan, object
+assembly, final checks) are in :mod:`kvsp.transfer.moqt_transfer`. Replicas are walked by
+:meth:`kvsp.transfer.block_client.BlockClient.fetch`, which hands ``moqt://`` ones to this
+client: one walk for both transports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Generic, Self, TypeVar
-from urllib.parse import urlsplit
+from collections.abc import AsyncGenerator, Callable
+from typing import Self
 
-from kvsp.container import Container, Geometry, Layer, mismatch, replica_digest
+from kvsp.container import Geometry, Layer, mismatch, replica_digest
 from kvsp.container_reader import LayerSink
-from kvsp.errors import (
-    ContainerError,
-    DigestMismatch,
-    Forbidden,
-    Incompatible,
-    InvalidIdentifier,
-    KVSPError,
-    LayersUnavailable,
-    NotFound,
-    RecordError,
-)
+from kvsp.errors import DigestMismatch, LayersUnavailable
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
-from kvsp.transfer.block_client import (
-    BlockClient,
-    FetchOutcome,
-    FetchStats,
-    UnsupportedHolder,
-    VerifiedBlock,
+from kvsp.transfer.moqt_publisher import REFUSED_REQUESTS
+from kvsp.transfer.moqt_transfer import (
+    BlockStream,
+    FetchPlan,
+    LiveBlock,
+    MoqtAddress,
+    ObjectFeed,
+    RecordSource,
+    Watchdog,
+    check_live,
+    parse_moqt_uri,
+    plan_fetch,
+    rejected_error,
+    verified_block,
 )
-from kvsp.transfer.moqt_publisher import (
-    REFUSED_REQUESTS,
-    BlockSource,
-    LiveTrack,
-    LiveTracks,
-    LiveWriter,
-    MemoryBlocks,
-    MoqtBlockPublisher,
-    StoredBlock,
-    serve_blocks,
-)
+from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.client import TransportError
 from moqt.asyncio import (
     FetchResponse,
@@ -69,291 +52,19 @@ from moqt.asyncio import (
     connect,
 )
 from moqt.backend import TransportConfig, get_backend
-from moqt.errors import ObjectStatus, RequestErrorCode
+from moqt.errors import RequestErrorCode
 from moqt.namespace import (
     LayerAssembler,
     kv_namespace,
     layer_range_locations,
     live_track_name,
-    parse_kv_namespace,
     stored_track_name,
 )
-from moqt.objects import find_layer_digest
-from moqt.session_events import (
-    DataStreamReset,
-    FetchReceived,
-    MalformedTrackDetected,
-    MOQTEvent,
-    ObjectData,
-    ObjectEnd,
-    ObjectHeader,
-    RequestUpdateReceived,
-    SubscribeReceived,
-)
+from moqt.session_events import FetchReceived, RequestUpdateReceived, SubscribeReceived
 from moqt.session_state import LocalProtocolError
-from moqt.wire import KeyValuePair, TrackNamespace
+from moqt.wire import TrackNamespace
 
-__all__ = [
-    "BlockSource",
-    "BlockStream",
-    "LiveBlock",
-    "LiveTrack",
-    "LiveTracks",
-    "LiveWriter",
-    "MemoryBlocks",
-    "MoqtAddress",
-    "MoqtBlockClient",
-    "MoqtBlockPublisher",
-    "StoredBlock",
-    "UnifiedBlockClient",
-    "parse_moqt_uri",
-    "record_namespace",
-    "serve_blocks",
-]
-
-MOQT_SCHEME = "moqt"
-DEFAULT_MOQT_PORT = 443  # d16 §3.1.2: the moqt URI scheme's default port
-T = TypeVar("T")
 _PEER_REQUESTS = (FetchReceived, SubscribeReceived, RequestUpdateReceived, *REFUSED_REQUESTS)
-
-
-@dataclass(frozen=True, slots=True)
-class MoqtAddress:
-    """Where a ``moqt://host[:port]/path`` URI points (raw QUIC, ALPN ``moqt-16``)."""
-
-    host: str
-    port: int
-    path: str | None
-
-
-def parse_moqt_uri(uri: str) -> MoqtAddress:
-    """The address of a ``moqt`` URI; the port defaults to 443.
-
-    Raises:
-        UnsupportedHolder: not a ``moqt`` URI with a host and a valid port.
-    """
-    parts = urlsplit(uri)
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    if parts.scheme.lower() != MOQT_SCHEME or not parts.hostname or port == -1:
-        raise UnsupportedHolder(f"holder {uri[:120]!r} is not a moqt URI")
-    path = parts.path + (f"?{parts.query}" if parts.query else "")
-    return MoqtAddress(parts.hostname, port or DEFAULT_MOQT_PORT, path or None)
-
-
-def record_namespace(record: ReplicaRecord) -> TrackNamespace:
-    """The record's ``moqt_namespace`` fields, checked to name the record's own block.
-
-    Raises:
-        RecordError: no ``moqt_namespace``, or one that is not a KV block namespace or names
-            another compat_id, scope_id or block_key than the record.
-    """
-    path = "$.moqt_namespace"
-    fields = record.namespace_fields
-    if fields is None:
-        raise RecordError("a replica served over MOQT needs moqt_namespace", path=path)
-    try:
-        named = parse_kv_namespace(fields)
-    except InvalidIdentifier as exc:
-        raise RecordError(f"not a KV block namespace: {exc}", path=path) from None
-    if named != (record.compat_id, record.scope_id, record.block_key):
-        raise RecordError("names another block than the record", path=path)
-    return fields
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class LiveBlock(Container):
-    """A block received from a live track: its layers, where from, and how it was checked.
-
-    ``in_band_verified``: every layer matched the digest its object carried; ``record``: the
-    published Replica Record the layers were also (or only) checked against.
-    """
-
-    source: str
-    block_digest: bytes
-    record: ReplicaRecord | None
-    in_band_verified: bool
-
-
-class BlockStream(Generic[T]):
-    """Verified layers as they arrive (``async for``), then the whole block (:meth:`block`).
-
-    A layer is yielded only once verified; an error ends the iteration and nothing more is
-    handed out.
-    """
-
-    def __init__(self, run: Callable[[BlockStream[T]], AsyncGenerator[Layer, None]]) -> None:
-        self._iterator = run(self)
-        self.result: T | None = None
-        self._error: BaseException | None = None
-
-    def __aiter__(self) -> BlockStream[T]:
-        return self
-
-    async def __anext__(self) -> Layer:
-        if self._error is not None:
-            raise self._error
-        try:
-            return await self._iterator.__anext__()
-        except StopAsyncIteration:
-            raise
-        except BaseException as exc:
-            self._error = exc
-            raise
-
-    async def block(self) -> T:
-        """Read what is left; the verified block.
-
-        Raises:
-            DigestMismatch, ContainerError, NotFound, TransportError: as the transfer failed
-                (again, when iteration already failed).
-        """
-        async for _ in self:
-            pass
-        if self.result is None:
-            raise RuntimeError("the block stream ended without a block")
-        return self.result
-
-    async def aclose(self) -> None:
-        """Stop early (the request is cancelled)."""
-        await self._iterator.aclose()
-
-
-class _Watchdog:
-    """Calls ``on_stall`` when ``progress`` has not moved for ``idle`` seconds."""
-
-    def __init__(self, idle: float, on_stall: Callable[[], None]) -> None:
-        self.progress = 0
-        self.fired = False
-        self._seen = -1
-        self._idle = idle
-        self._on_stall = on_stall
-        self._handle = asyncio.get_running_loop().call_later(idle, self._check)
-
-    def _check(self) -> None:
-        if self.progress == self._seen:
-            self.fired = True
-            self._on_stall()
-            return
-        self._seen = self.progress
-        self._handle = asyncio.get_running_loop().call_later(self._idle, self._check)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
-
-
-class _Objects:
-    """Feeds a track's data events to a :class:`LayerAssembler`, skipping status objects
-    (relays append an empty END_OF_GROUP object)."""
-
-    def __init__(self, assembler: LayerAssembler) -> None:
-        self.assembler = assembler
-        self._skip: set[int] = set()
-        self._in_band: bytes | None = None
-
-    def on(self, event: MOQTEvent) -> tuple[Layer, bytes, bytes | None] | None:
-        """The layer (its computed digest and in-band digest) an event completes, if any.
-
-        Raises:
-            ContainerError: an object that is not a layer of the block.
-            TransportError: the data stream was reset.
-        """
-        if isinstance(event, ObjectHeader):
-            if event.object.status != ObjectStatus.NORMAL:
-                self._skip.add(event.stream_id)
-                return None
-            self._in_band = _in_band_digest(event.object.extensions)
-            self.assembler.begin(event.group_id, event.object_id, event.payload_length)
-        elif isinstance(event, ObjectData):
-            if event.stream_id not in self._skip:
-                self.assembler.feed(event.data)
-        elif isinstance(event, ObjectEnd):
-            if event.stream_id in self._skip:
-                self._skip.discard(event.stream_id)
-                return None
-            layer, digest = self.assembler.end()
-            return layer, digest, self._in_band
-        elif isinstance(event, DataStreamReset | MalformedTrackDetected):
-            raise TransportError(f"the block's data stream broke off: {event}")
-        return None
-
-
-def _in_band_digest(extensions: tuple[KeyValuePair, ...]) -> bytes | None:
-    try:
-        return find_layer_digest(extensions)
-    except Exception as exc:  # a malformed extension block: the object cannot be trusted
-        raise ContainerError(f"malformed layer-digest extension: {exc}") from None
-
-
-def _rejected(exc: RequestRejected) -> KVSPError:
-    code = exc.error_code
-    if code == RequestErrorCode.DOES_NOT_EXIST:
-        return NotFound(f"the holder has no such block track: {exc.reason}")
-    if code == RequestErrorCode.INVALID_RANGE:
-        return LayersUnavailable(f"the holder does not hold those layers: {exc.reason}")
-    if code in (
-        RequestErrorCode.UNAUTHORIZED,
-        RequestErrorCode.MALFORMED_AUTH_TOKEN,
-        RequestErrorCode.EXPIRED_AUTH_TOKEN,
-    ):
-        return Forbidden(f"the holder refused: {exc.reason}")
-    return TransportError(f"the holder refused with {code:#x}: {exc.reason}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Plan:
-    """One FETCH of a stored track and how to verify it (§6.7)."""
-
-    record: ReplicaRecord
-    address: MoqtAddress
-    namespace: TrackNamespace
-    first: int
-    last: int
-    geometry: Geometry
-    token_count: int | None
-    sink: LayerSink | None
-
-
-def _plan(
-    record: ReplicaRecord,
-    holder: str | None,
-    layers: tuple[int, int] | None,
-    geometry: Geometry,
-    token_count: int | None,
-    sink: LayerSink | None,
-) -> _Plan:
-    address = parse_moqt_uri(holder or record.holder)
-    if record.codec != Codec.RAW:
-        # DESIGN §4: objects reproduce the layer digests for codec raw only
-        raise Incompatible(f"codec {record.codec} is not carried over MOQT")
-    namespace = record_namespace(record)
-    digests = record.layer_digests
-    count = len(digests) if digests is not None else geometry.layers
-    if count != geometry.layers:
-        raise Incompatible(f"record lists {count} layers, the geometry has {geometry.layers}")
-    first, last = layers if layers is not None else (0, count - 1)
-    if not 0 <= first <= last < count:
-        raise Incompatible(f"layers {first}-{last} asked of a replica of {count} layers")
-    if digests is None and (first, last) != (0, count - 1):
-        # §4.4: layer_digests is REQUIRED for replicas served by layer range
-        raise Incompatible("a layer range of a replica whose record lists no layer_digests")
-    if digests is not None and replica_digest(digests) != record.digest:
-        raise DigestMismatch("the record's layer_digests do not give its replica digest")
-    return _Plan(
-        record=record,
-        address=address,
-        namespace=namespace,
-        first=first,
-        last=last,
-        geometry=geometry,
-        token_count=token_count,
-        sink=sink,
-    )
-
-
-RecordSource = ReplicaRecord | Callable[[], Awaitable[ReplicaRecord | None]] | None
 
 
 class MoqtBlockClient:
@@ -489,7 +200,7 @@ class MoqtBlockClient:
 
         def run(stream: BlockStream[VerifiedBlock]) -> AsyncGenerator[Layer, None]:
             return self._fetch(
-                lambda: _plan(record, holder, layers, geometry, block_tokens, sink), stream
+                lambda: plan_fetch(record, holder, layers, geometry, block_tokens, sink), stream
             )
 
         return BlockStream(run)
@@ -515,7 +226,7 @@ class MoqtBlockClient:
         ).block()
 
     async def _fetch(
-        self, make_plan: Callable[[], _Plan], stream: BlockStream[VerifiedBlock]
+        self, make_plan: Callable[[], FetchPlan], stream: BlockStream[VerifiedBlock]
     ) -> AsyncGenerator[Layer, None]:
         plan = make_plan()  # its errors surface on the first read, like the transfer's
         connection = await self.connection(plan.address)
@@ -523,11 +234,11 @@ class MoqtBlockClient:
         assembler = LayerAssembler(
             plan.geometry, plan.first, plan.last, token_count=plan.token_count, sink=plan.sink
         )
-        objects = _Objects(assembler)
+        objects = ObjectFeed(assembler)
         expected = plan.record.layer_digests
         unchecked: list[tuple[Layer, bytes]] = []  # no layer_digests: checked as a whole
         reader = response.track
-        watchdog = _Watchdog(self.timeout, lambda: _cancel(connection, response.request_id))
+        watchdog = Watchdog(self.timeout, lambda: _cancel(connection, response.request_id))
         try:
             async for event in reader.events():
                 watchdog.progress += 1
@@ -559,9 +270,9 @@ class MoqtBlockClient:
                 raise DigestMismatch("the layers' digests do not give the replica digest")
             for layer, _ in unchecked:
                 yield layer
-        stream.result = _verified(plan, assembler)
+        stream.result = verified_block(plan, assembler)
 
-    async def _request_fetch(self, connection: MOQTConnection, plan: _Plan) -> FetchResponse:
+    async def _request_fetch(self, connection: MOQTConnection, plan: FetchPlan) -> FetchResponse:
         start, end = layer_range_locations(plan.first, plan.last)
         track = stored_track_name(plan.record.digest)
         try:
@@ -569,7 +280,7 @@ class MoqtBlockClient:
                 connection.fetch(plan.namespace, track, start, end), self.timeout
             )
         except RequestRejected as exc:
-            raise _rejected(exc) from exc
+            raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
             self._forget(plan.address, connection)
             raise TransportError(f"FETCH of {plan.record.holder} failed: {exc!r}") from exc
@@ -627,11 +338,11 @@ class MoqtBlockClient:
         address = parse_moqt_uri(holder)
         connection = await self.connection(address)
         subscription = await self._request_subscribe(connection, address, namespace, track)
-        objects = _Objects(assembler)
+        objects = ObjectFeed(assembler)
         digests: dict[int, bytes] = {}
         pending: list[Layer] = []
         reader = subscription.track
-        watchdog = _Watchdog(
+        watchdog = Watchdog(
             self.timeout, lambda: _cancel(connection, subscription.request_id, fetch=False)
         )
         try:
@@ -663,7 +374,7 @@ class MoqtBlockClient:
             raise TransportError(f"the live track {why} before every layer arrived")
         ordered = [digests[i] for i in range(assembler.count)]
         published = await _resolve(record)
-        _check_live(published, ordered, bool(pending))
+        check_live(published, ordered, bool(pending))
         for layer in pending:
             yield layer
         stream.result = LiveBlock(
@@ -690,7 +401,7 @@ class MoqtBlockClient:
         try:
             return await asyncio.wait_for(connection.subscribe(namespace, track), self.timeout)
         except RequestRejected as exc:
-            raise _rejected(exc) from exc
+            raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
             self._forget(address, connection)
             where = f"{address.host}:{address.port}"
@@ -717,146 +428,11 @@ async def _resolve(record: RecordSource) -> ReplicaRecord | None:
     return await record()
 
 
-def _check_live(record: ReplicaRecord | None, digests: list[bytes], unchecked: bool) -> None:
-    """Verify a completed live block's layer digests against the published record.
-
-    Raises:
-        DigestMismatch: they differ, or some layers had no in-band digest and there is no
-            record to check them against.
-    """
-    if record is None:
-        if unchecked:
-            raise DigestMismatch("layers without in-band digests and no record to verify them")
-        return
-    if record.layer_digests is not None:
-        for index, (got, want) in enumerate(zip(digests, record.layer_digests, strict=False)):
-            if got != want:
-                raise mismatch(index, got, want)
-    if replica_digest(digests) != record.digest:
-        raise DigestMismatch("the live block's layers do not give the record's replica digest")
-
-
-def _verified(plan: _Plan, assembler: LayerAssembler) -> VerifiedBlock:
-    """The container the objects carried, its header rebuilt from the record and geometry."""
-    return VerifiedBlock(
-        version=1,
-        flags=0,
-        codec=plan.record.codec,
-        first_layer=plan.first,
-        layer_count=assembler.count,
-        token_count=assembler.token_count or 0,
-        layers=assembler.layers(),
-        record=plan.record,
-        source=plan.record.holder,
-        producer_verified=True,
-    )
-
-
 async def _refuse_requests(connection: MOQTConnection) -> None:
     """A consumer's session publishes nothing: refuse whatever the peer asks of it."""
     session = connection.session
     async for event in connection.requests():
-        if isinstance(
-            event, FetchReceived | SubscribeReceived | RequestUpdateReceived | REFUSED_REQUESTS
-        ):
+        if isinstance(event, _PEER_REQUESTS):
             with contextlib.suppress(LocalProtocolError):
                 session.request_error(event.request_id, RequestErrorCode.NOT_SUPPORTED, "consumer")
                 connection.transmit()
-
-
-# --- one client for both kinds of holder ---------------------------------------------------------
-
-
-class UnifiedBlockClient:
-    """Gets a block from ``http(s)://`` holders with :class:`BlockClient` and from ``moqt://``
-    holders with :class:`MoqtBlockClient`, so a caller need not care which a replica names.
-
-    Attempts are counted in the HTTP client's :class:`FetchStats` whatever the transport.
-    """
-
-    def __init__(self, http: BlockClient, moqt: MoqtBlockClient) -> None:
-        self.http = http
-        self.moqt = moqt
-
-    @property
-    def stats(self) -> FetchStats:
-        """Per-holder outcomes of :meth:`fetch_block`."""
-        return self.http.stats
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Close both clients."""
-        await self.moqt.aclose()
-        await self.http.aclose()
-
-    async def get_block(
-        self,
-        holder_base: str,
-        record: ReplicaRecord,
-        *,
-        layers: tuple[int, int] | None = None,
-        geometry: Geometry,
-        codec: int | None = None,
-        sink: LayerSink | None = None,
-        block_tokens: int | None = None,
-    ) -> VerifiedBlock:
-        """:meth:`BlockClient.get_block` for HTTP holders, :meth:`MoqtBlockClient.get_block`
-        for ``moqt://`` ones (which carry the replica's codec only).
-
-        Raises:
-            as the chosen client; Incompatible: another codec asked of a MOQT holder.
-        """
-        if holder_base.partition(":")[0].lower() != MOQT_SCHEME:
-            return await self.http.get_block(
-                holder_base, record, layers=layers, geometry=geometry, codec=codec, sink=sink
-            )
-        if codec is not None and codec != record.codec:
-            raise Incompatible("a MOQT holder serves the replica's codec only")
-        return await self.moqt.get_block(
-            record,
-            layers=layers,
-            geometry=geometry,
-            block_tokens=block_tokens,
-            sink=sink,
-            holder=holder_base,
-        )
-
-    async def fetch_block(
-        self,
-        replicas: Sequence[ReplicaRecord],
-        *,
-        layers: tuple[int, int] | None = None,
-        geometry: Geometry,
-        sink: LayerSink | None = None,
-        block_tokens: int | None = None,
-    ) -> VerifiedBlock | None:
-        """The block from the first replica, in the order given, that delivers it verified;
-        None when none does (§6.1: the index is advisory, so any failure means "next")."""
-        for record in replicas:
-            started = time.perf_counter()
-            try:
-                block = await self.get_block(
-                    record.holder,
-                    record,
-                    layers=layers,
-                    geometry=geometry,
-                    sink=sink,
-                    block_tokens=block_tokens,
-                )
-            except KVSPError as exc:
-                elapsed = time.perf_counter() - started
-                outcome = FetchOutcome(record.holder, False, 0, elapsed, type(exc).__name__)
-                self.stats.record(outcome)
-                continue
-            octets = sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
-            elapsed = time.perf_counter() - started
-            self.stats.record(FetchOutcome(record.holder, True, octets, elapsed))
-            return block
-        return None
-
-    fetch = fetch_block

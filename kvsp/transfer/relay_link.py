@@ -37,8 +37,9 @@ from kvsp.index import ReplicaIndex
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
 from kvsp.stores.blocks import BlockRef, BlockStore
-from kvsp.transfer.moqt_client import MoqtBlockClient, parse_moqt_uri
+from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.transfer.moqt_publisher import BlockSource, MemoryBlocks, MoqtBlockPublisher, StoredBlock
+from kvsp.transfer.moqt_transfer import parse_moqt_uri
 from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError, connect
 from moqt.backend import TransportConfig, get_backend
 from moqt.namespace import KV_GROUP, kv_scope_prefix

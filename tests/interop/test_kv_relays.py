@@ -23,14 +23,9 @@ import pytest
 from kvsp.container import Geometry, encode_container, replica_digest
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord, encode_moqt_namespace
-from kvsp.transfer.moqt_client import (
-    LiveTracks,
-    MemoryBlocks,
-    MoqtBlockClient,
-    MoqtBlockPublisher,
-    StoredBlock,
-    parse_moqt_uri,
-)
+from kvsp.transfer.moqt_client import MoqtBlockClient
+from kvsp.transfer.moqt_publisher import LiveTracks, MemoryBlocks, MoqtBlockPublisher, StoredBlock
+from kvsp.transfer.moqt_transfer import parse_moqt_uri
 from moqt.asyncio import connect
 from moqt.backend import get_backend
 from moqt.namespace import kv_namespace, stored_track_name

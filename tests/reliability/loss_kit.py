@@ -27,14 +27,10 @@ from typing import Literal
 from kvsp.container import Geometry, encode_container, replica_digest
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord, encode_moqt_namespace
-from kvsp.transfer.block_client import VerifiedBlock
-from kvsp.transfer.moqt_client import (
-    MemoryBlocks,
-    MoqtBlockClient,
-    MoqtBlockPublisher,
-    StoredBlock,
-    parse_moqt_uri,
-)
+from kvsp.transfer.moqt_client import MoqtBlockClient
+from kvsp.transfer.moqt_publisher import MemoryBlocks, MoqtBlockPublisher, StoredBlock
+from kvsp.transfer.moqt_transfer import parse_moqt_uri
+from kvsp.transfer.verify import VerifiedBlock
 from moqt.asyncio import connect
 from moqt.backend import get_backend
 from moqt.namespace import kv_namespace

@@ -28,7 +28,8 @@ from kvsp.records import LookupRequest
 from kvsp.registries import Tier
 from kvsp.services.index.client import IndexClient
 from kvsp.stores.blocks import BlockRef, BlockStore, StoreConfig, describe_block
-from kvsp.transfer.moqt_client import MemoryBlocks, MoqtBlockClient, StoredBlock, serve_blocks
+from kvsp.transfer.moqt_client import MoqtBlockClient
+from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock, serve_blocks
 from kvsp.web.client import TransportError
 from moqt.asyncio import MOQTServer
 from moqt.backend import get_backend

@@ -51,13 +51,10 @@ from kvsp.compat import compat_id
 from kvsp.errors import LeaseQuota, NotFound
 from kvsp.records import LeaseRequest, LookupRequest
 from kvsp.services.index.client import IndexClient
-from kvsp.transfer.block_client import BlockClient, VerifiedBlock
-from kvsp.transfer.moqt_client import (
-    MemoryBlocks,
-    MoqtBlockClient,
-    StoredBlock,
-    UnifiedBlockClient,
-)
+from kvsp.transfer.block_client import BlockClient
+from kvsp.transfer.moqt_client import MoqtBlockClient
+from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock
+from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.client import TransportError
 from moqt.certs import make_self_signed
 
@@ -165,12 +162,12 @@ def test_relay_killed_mid_fetch_client_falls_through_then_recomputes(
         async with contextlib.AsyncExitStack() as outer:
             for stack in publishers:
                 outer.push_async_callback(stack.aclose)  # closing twice is harmless
-            client = await outer.enter_async_context(UnifiedBlockClient(BlockClient(None), moqt))
+            client = await outer.enter_async_context(BlockClient(None, moqt=moqt))
             for stack, url in zip(publishers, relays, strict=False):
                 await loss_kit.publish_blocks(stack, url, served)  # the scope, to each relay
             geometry, tokens = loss_kit.GEOMETRY, loss_kit.TOKENS
             fetch = functools.partial(
-                client.fetch_block, records, geometry=geometry, block_tokens=tokens
+                client.fetch, records, geometry=geometry, block_tokens=tokens
             )
             sink = KillingSink(2, lambda: procs.kill("r1"))
             got = await fetch(sink=sink)

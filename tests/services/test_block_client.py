@@ -31,17 +31,15 @@ from kvsp.errors import (
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LeaseRequest, ReplicaRecord
 from kvsp.transfer.block_client import (
-    DEFAULT_HASHING,
     BlockClient,
     FetchStats,
-    SliceBody,
     UnsupportedHolder,
-    VerifiedBlock,
-    _plan,
     block_base,
     lease_base,
 )
 from kvsp.transfer.bulk import BulkClient, ConnectionClosed, RequestTimeout
+from kvsp.transfer.verify import DEFAULT_HASHING, VerifiedBlock, plan_block
+from kvsp.transfer.verify_slices import SliceBody
 from kvsp.web.client import TransportError
 from kvsp.web.testing import RunningService, start_process
 
@@ -457,7 +455,7 @@ def feed_slices(
     async def main() -> tuple[Container, bool]:
         pool = ThreadPoolExecutor(workers) if workers else None
         try:
-            plan = _plan(rec, layers, GEOMETRY, None)
+            plan = plan_block(rec, layers, GEOMETRY, None)
             digest = hashlib.sha256(body).digest() if expected is None else expected
             size = len(body) if length is None else length
             consumer = SliceBody(plan, digest, size, executor=pool, step=3000, paired=paired)
@@ -571,7 +569,7 @@ def test_parts_response_sends_each_part_once(monkeypatch: pytest.MonkeyPatch) ->
 def test_paired_slice_body_hashes_both_streams_in_one_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvsp.transfer import block_client  # noqa: PLC0415 - the module under test
+    from kvsp.transfer import verify_slices  # noqa: PLC0415 - the module under test
 
     calls: list[tuple[int, int]] = []
     native = sha256x2.feed_layers
@@ -582,7 +580,7 @@ def test_paired_slice_body_hashes_both_streams_in_one_pass(
         calls.append((len(data), len(ends)))
         return native(a, b, data, ends)
 
-    monkeypatch.setattr(block_client.sha256x2, "feed_layers", counting)
+    monkeypatch.setattr(verify_slices.sha256x2, "feed_layers", counting)
     body = srv.block_container(KEY)
     container, producer = feed_slices(body, piece=1 << 20, paired=True)
     assert producer and same_layers(container, 0, 7)
@@ -611,13 +609,13 @@ def test_paired_verification_leaves_a_core_to_the_receiving_loop(
 def test_paired_falls_back_to_hashlib_where_the_native_pairing_cannot_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvsp.transfer import block_client  # noqa: PLC0415 - the module under test
+    from kvsp.transfer import verify_slices  # noqa: PLC0415 - the module under test
 
     def refuse(*_: object) -> list[bytes]:
         raise AssertionError("the native pairing ran")
 
-    monkeypatch.setattr(block_client.sha256x2, "ACCELERATED", False)
-    monkeypatch.setattr(block_client.sha256x2, "feed_layers", refuse)
+    monkeypatch.setattr(verify_slices.sha256x2, "ACCELERATED", False)
+    monkeypatch.setattr(verify_slices.sha256x2, "feed_layers", refuse)
     body = srv.block_container(KEY)
     container, producer = feed_slices(body, paired=True)
     assert producer and same_layers(container, 0, 7)

@@ -48,7 +48,8 @@ from kvsp.services.instance.service import (
 )
 from kvsp.stores.blocks import BlockRef
 from kvsp.stores.descriptors import DescriptorRegistry
-from kvsp.transfer.block_client import BlockClient, VerifiedBlock
+from kvsp.transfer.block_client import BlockClient
+from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.clock import ManualClock
 from kvsp.web.testing import RunningService, start_process

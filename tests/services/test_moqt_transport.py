@@ -1,5 +1,6 @@
 """KV blocks over MOQT on real UDP (127.0.0.1): a publisher serving stored and live block
-tracks, the verifying consumer, and the HTTP/MOQT dispatcher (DESIGN.md §4; spec §4.4, §6.7)."""
+tracks, the verifying consumer, and BlockClient's walk over HTTP and MOQT replicas (DESIGN.md
+§4; spec §4.4, §6.1, §6.7)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,9 @@ from kvsp.errors import DigestMismatch, Incompatible, LayersUnavailable, NotFoun
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord, encode_moqt_namespace
 from kvsp.transfer.block_client import BlockClient
-from kvsp.transfer.moqt_client import (
-    LiveTracks,
-    MemoryBlocks,
-    MoqtBlockClient,
-    StoredBlock,
-    UnifiedBlockClient,
-    parse_moqt_uri,
-    serve_blocks,
-)
+from kvsp.transfer.moqt_client import MoqtBlockClient
+from kvsp.transfer.moqt_publisher import LiveTracks, MemoryBlocks, StoredBlock, serve_blocks
+from kvsp.transfer.moqt_transfer import parse_moqt_uri
 from kvsp.web.client import TransportError
 from moqt.backend import get_backend
 from moqt.certs import make_self_signed
@@ -288,23 +283,26 @@ def test_a_live_track_without_in_band_digests_is_checked_against_the_record(
     run(test)
 
 
-def test_unified_client_tries_replicas_in_order(certs: tuple[str, str]) -> None:
+def test_block_client_walks_http_and_moqt_replicas_in_order(certs: tuple[str, str]) -> None:
     async def test() -> None:
         async with holder("aioquic", certs) as h:
             h.blocks.add(stored())
-            http = BlockClient(None, hashing="inline")
-            async with UnifiedBlockClient(http, h.client) as client:
+            async with BlockClient(None, hashing="inline", moqt=h.client) as client:
                 replicas = [
                     record("http://127.0.0.1:9/kvsp/"),  # nothing listens there
                     replace(record(h.uri), layer_digests=None),
                     record(h.uri),
                 ]
-                block = await client.fetch_block(replicas, layers=(0, 1), geometry=GEOMETRY)
+                block = await client.fetch(
+                    replicas, layers=(0, 1), geometry=GEOMETRY, block_tokens=TOKENS
+                )
                 assert block is not None and block.source == h.uri
+                assert block.token_count == TOKENS  # the descriptor's count reached MOQT
                 outcomes = [(o.holder, o.ok, o.error) for o in client.stats.recent]
+        base = h.uri + "/"  # attempts are counted under the replica's base
         assert outcomes[0][1:] == (False, "TransportError")
-        assert outcomes[1] == (h.uri, False, "Incompatible")  # a range needs layer_digests
-        assert outcomes[2] == (h.uri, True, None)
+        assert outcomes[1] == (base, False, "Incompatible")  # a range needs layer_digests
+        assert outcomes[2] == (base, True, None)
 
     run(test)
 

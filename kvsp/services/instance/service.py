@@ -68,7 +68,8 @@ from kvsp.records import (
 from kvsp.registries import InstanceState
 from kvsp.services.holder import Holder
 from kvsp.stores.blocks import BlockRef
-from kvsp.transfer.block_client import BlockClient, UnsupportedHolder, VerifiedBlock, source_base
+from kvsp.transfer.block_client import BlockClient, UnsupportedHolder, source_base
+from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.auth import Principal
 from kvsp.web.clock import Clock
 

@@ -1,0 +1,343 @@
+"""One KV block transfer over MOQT draft-16: where it goes, what it must deliver, and how
+objects become verified layers (DESIGN.md §4; spec §4.4 ``moqt_namespace``, §6.7).
+
+:func:`plan_fetch` checks a ``moqt://`` Replica Record before any request: its URI
+(:func:`parse_moqt_uri`), its ``moqt_namespace`` naming its own block
+(:func:`record_namespace`), codec raw, and the layers it lets a client verify.
+:class:`ObjectFeed` turns a track's data events into layers through a
+:class:`~moqt.namespace.LayerAssembler`; :func:`verified_block` and :func:`check_live` rebuild
+and check the whole block once every object has arrived, since the objects carry no container
+header. :class:`BlockStream` hands the layers out one by one as each is verified.
+These are the parts of a transfer that hold no session; the sessions, and the FETCH and
+SUBSCRIBE that drive these parts, are :class:`~kvsp.transfer.moqt_client.MoqtBlockClient`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+from urllib.parse import urlsplit
+
+from kvsp.container import Container, Geometry, Layer, mismatch, replica_digest
+from kvsp.container_reader import LayerSink
+from kvsp.errors import (
+    ContainerError,
+    DigestMismatch,
+    Forbidden,
+    Incompatible,
+    InvalidIdentifier,
+    KVSPError,
+    LayersUnavailable,
+    NotFound,
+    RecordError,
+)
+from kvsp.records import ReplicaRecord
+from kvsp.registries import Codec
+from kvsp.transfer.block_client import UnsupportedHolder
+from kvsp.transfer.verify import VerifiedBlock, layer_range
+from kvsp.web.client import TransportError
+from moqt.asyncio import RequestRejected
+from moqt.errors import ObjectStatus, RequestErrorCode
+from moqt.namespace import LayerAssembler, parse_kv_namespace
+from moqt.objects import find_layer_digest
+from moqt.session_events import (
+    DataStreamReset,
+    MalformedTrackDetected,
+    MOQTEvent,
+    ObjectData,
+    ObjectEnd,
+    ObjectHeader,
+)
+from moqt.wire import KeyValuePair, TrackNamespace
+
+MOQT_SCHEME = "moqt"
+DEFAULT_MOQT_PORT = 443  # d16 §3.1.2: the moqt URI scheme's default port
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class MoqtAddress:
+    """Where a ``moqt://host[:port]/path`` URI points (raw QUIC, ALPN ``moqt-16``)."""
+
+    host: str
+    port: int
+    path: str | None
+
+
+def parse_moqt_uri(uri: str) -> MoqtAddress:
+    """The address of a ``moqt`` URI; the port defaults to 443.
+
+    Raises:
+        UnsupportedHolder: not a ``moqt`` URI with a host and a valid port.
+    """
+    parts = urlsplit(uri)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme.lower() != MOQT_SCHEME or not parts.hostname or port == -1:
+        raise UnsupportedHolder(f"holder {uri[:120]!r} is not a moqt URI")
+    path = parts.path + (f"?{parts.query}" if parts.query else "")
+    return MoqtAddress(parts.hostname, port or DEFAULT_MOQT_PORT, path or None)
+
+
+def record_namespace(record: ReplicaRecord) -> TrackNamespace:
+    """The record's ``moqt_namespace`` fields, checked to name the record's own block.
+
+    Raises:
+        RecordError: no ``moqt_namespace``, or one that is not a KV block namespace or names
+            another compat_id, scope_id or block_key than the record.
+    """
+    path = "$.moqt_namespace"
+    fields = record.namespace_fields
+    if fields is None:
+        raise RecordError("a replica served over MOQT needs moqt_namespace", path=path)
+    try:
+        named = parse_kv_namespace(fields)
+    except InvalidIdentifier as exc:
+        raise RecordError(f"not a KV block namespace: {exc}", path=path) from None
+    if named != (record.compat_id, record.scope_id, record.block_key):
+        raise RecordError("names another block than the record", path=path)
+    return fields
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class LiveBlock(Container):
+    """A block received from a live track: its layers, where from, and how it was checked.
+
+    ``in_band_verified``: every layer matched the digest its object carried; ``record``: the
+    published Replica Record the layers were also (or only) checked against.
+    """
+
+    source: str
+    block_digest: bytes
+    record: ReplicaRecord | None
+    in_band_verified: bool
+
+
+class BlockStream(Generic[T]):
+    """Verified layers as they arrive (``async for``), then the whole block (:meth:`block`).
+
+    A layer is yielded only once verified; an error ends the iteration and nothing more is
+    handed out.
+    """
+
+    def __init__(self, run: Callable[[BlockStream[T]], AsyncGenerator[Layer, None]]) -> None:
+        self._iterator = run(self)
+        self.result: T | None = None
+        self._error: BaseException | None = None
+
+    def __aiter__(self) -> BlockStream[T]:
+        return self
+
+    async def __anext__(self) -> Layer:
+        if self._error is not None:
+            raise self._error
+        try:
+            return await self._iterator.__anext__()
+        except StopAsyncIteration:
+            raise
+        except BaseException as exc:
+            self._error = exc
+            raise
+
+    async def block(self) -> T:
+        """Read what is left; the verified block.
+
+        Raises:
+            DigestMismatch, ContainerError, NotFound, TransportError: as the transfer failed
+                (again, when iteration already failed).
+        """
+        async for _ in self:
+            pass
+        if self.result is None:
+            raise RuntimeError("the block stream ended without a block")
+        return self.result
+
+    async def aclose(self) -> None:
+        """Stop early (the request is cancelled)."""
+        await self._iterator.aclose()
+
+
+class Watchdog:
+    """Calls ``on_stall`` when ``progress`` has not moved for ``idle`` seconds."""
+
+    def __init__(self, idle: float, on_stall: Callable[[], None]) -> None:
+        self.progress = 0
+        self.fired = False
+        self._seen = -1
+        self._idle = idle
+        self._on_stall = on_stall
+        self._handle = asyncio.get_running_loop().call_later(idle, self._check)
+
+    def _check(self) -> None:
+        if self.progress == self._seen:
+            self.fired = True
+            self._on_stall()
+            return
+        self._seen = self.progress
+        self._handle = asyncio.get_running_loop().call_later(self._idle, self._check)
+
+    def cancel(self) -> None:
+        """Stop watching."""
+        self._handle.cancel()
+
+
+class ObjectFeed:
+    """Feeds a track's data events to a :class:`LayerAssembler`, skipping status objects
+    (relays append an empty END_OF_GROUP object)."""
+
+    def __init__(self, assembler: LayerAssembler) -> None:
+        self.assembler = assembler
+        self._skip: set[int] = set()
+        self._in_band: bytes | None = None
+
+    def on(self, event: MOQTEvent) -> tuple[Layer, bytes, bytes | None] | None:
+        """The layer (its computed digest and in-band digest) an event completes, if any.
+
+        Raises:
+            ContainerError: an object that is not a layer of the block.
+            TransportError: the data stream was reset.
+        """
+        if isinstance(event, ObjectHeader):
+            if event.object.status != ObjectStatus.NORMAL:
+                self._skip.add(event.stream_id)
+                return None
+            self._in_band = in_band_digest(event.object.extensions)
+            self.assembler.begin(event.group_id, event.object_id, event.payload_length)
+        elif isinstance(event, ObjectData):
+            if event.stream_id not in self._skip:
+                self.assembler.feed(event.data)
+        elif isinstance(event, ObjectEnd):
+            if event.stream_id in self._skip:
+                self._skip.discard(event.stream_id)
+                return None
+            layer, digest = self.assembler.end()
+            return layer, digest, self._in_band
+        elif isinstance(event, DataStreamReset | MalformedTrackDetected):
+            raise TransportError(f"the block's data stream broke off: {event}")
+        return None
+
+
+def in_band_digest(extensions: tuple[KeyValuePair, ...]) -> bytes | None:
+    """The layer digest an object carries in its extensions (DESIGN.md §4), if any.
+
+    Raises:
+        ContainerError: a malformed extension block (the object cannot be trusted).
+    """
+    try:
+        return find_layer_digest(extensions)
+    except Exception as exc:
+        raise ContainerError(f"malformed layer-digest extension: {exc}") from None
+
+
+def rejected_error(exc: RequestRejected) -> KVSPError:
+    """The KVSP error a refused FETCH or SUBSCRIBE stands for (its REQUEST_ERROR code)."""
+    code = exc.error_code
+    if code == RequestErrorCode.DOES_NOT_EXIST:
+        return NotFound(f"the holder has no such block track: {exc.reason}")
+    if code == RequestErrorCode.INVALID_RANGE:
+        return LayersUnavailable(f"the holder does not hold those layers: {exc.reason}")
+    if code in (
+        RequestErrorCode.UNAUTHORIZED,
+        RequestErrorCode.MALFORMED_AUTH_TOKEN,
+        RequestErrorCode.EXPIRED_AUTH_TOKEN,
+    ):
+        return Forbidden(f"the holder refused: {exc.reason}")
+    return TransportError(f"the holder refused with {code:#x}: {exc.reason}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FetchPlan:
+    """One FETCH of a stored track and how to verify it (§6.7)."""
+
+    record: ReplicaRecord
+    address: MoqtAddress
+    namespace: TrackNamespace
+    first: int
+    last: int
+    geometry: Geometry
+    token_count: int | None
+    sink: LayerSink | None
+
+
+def plan_fetch(
+    record: ReplicaRecord,
+    holder: str | None,
+    layers: tuple[int, int] | None,
+    geometry: Geometry,
+    token_count: int | None,
+    sink: LayerSink | None,
+) -> FetchPlan:
+    """The FETCH of the record's stored track at ``holder`` (default: the record's) for
+    ``layers`` (default: all), checked against what the record lets a client verify.
+
+    Raises:
+        UnsupportedHolder: not a ``moqt`` URI. RecordError: the record's ``moqt_namespace``
+            does not name its block. Incompatible: codec not raw, a layer count other than
+            the geometry's, or a range the record cannot verify. DigestMismatch: the record's
+            ``layer_digests`` do not give its replica digest.
+    """
+    address = parse_moqt_uri(holder or record.holder)
+    if record.codec != Codec.RAW:
+        # DESIGN §4: objects reproduce the layer digests for codec raw only
+        raise Incompatible(f"codec {record.codec} is not carried over MOQT")
+    namespace = record_namespace(record)
+    digests = record.layer_digests
+    if digests is not None and len(digests) != geometry.layers:
+        raise Incompatible(
+            f"record lists {len(digests)} layers, the geometry has {geometry.layers}"
+        )
+    first, last = layer_range(record, layers, geometry)
+    return FetchPlan(
+        record=record,
+        address=address,
+        namespace=namespace,
+        first=first,
+        last=last,
+        geometry=geometry,
+        token_count=token_count,
+        sink=sink,
+    )
+
+
+RecordSource = ReplicaRecord | Callable[[], Awaitable[ReplicaRecord | None]] | None
+"""The record a live block is checked against at completion: the record, a callable that
+fetches the producer's published record, or ``None`` (in-band digests only)."""
+
+
+def check_live(record: ReplicaRecord | None, digests: list[bytes], unchecked: bool) -> None:
+    """Verify a completed live block's layer digests against the published record.
+
+    Raises:
+        DigestMismatch: they differ, or some layers had no in-band digest and there is no
+            record to check them against.
+    """
+    if record is None:
+        if unchecked:
+            raise DigestMismatch("layers without in-band digests and no record to verify them")
+        return
+    if record.layer_digests is not None:
+        for index, (got, want) in enumerate(zip(digests, record.layer_digests, strict=False)):
+            if got != want:
+                raise mismatch(index, got, want)
+    if replica_digest(digests) != record.digest:
+        raise DigestMismatch("the live block's layers do not give the record's replica digest")
+
+
+def verified_block(plan: FetchPlan, assembler: LayerAssembler) -> VerifiedBlock:
+    """The container the objects carried, its header rebuilt from the record and geometry."""
+    return VerifiedBlock(
+        version=1,
+        flags=0,
+        codec=plan.record.codec,
+        first_layer=plan.first,
+        layer_count=assembler.count,
+        token_count=assembler.token_count or 0,
+        layers=assembler.layers(),
+        record=plan.record,
+        source=plan.record.holder,
+        producer_verified=True,
+    )

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsp.ids import uri_id
-from kvsp.records import kv_namespace_fields
+from kvsp.moqt_mapping import kv_namespace, live_track_name
 from kvsp.transfer.bulk import BulkClient
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
@@ -300,8 +300,8 @@ STAMP = struct.Struct("!dI")  # send time (perf_counter), object index
 def live_track() -> tuple[TrackNamespace, bytes]:
     """A KV live track (DESIGN.md §4): the block's five namespace fields, ``live-<id>``."""
     key = hashlib.sha256(b"relay load block").digest()
-    namespace = kv_namespace_fields(COMPAT, RELAY_SCOPE, key)  # type: ignore[arg-type]
-    return namespace, b"live-" + uri_id("http://producer.load.test/").encode()
+    namespace = kv_namespace(COMPAT, RELAY_SCOPE, key)
+    return namespace, live_track_name("http://producer.load.test/")
 
 
 def payload_of(index: int, size: int, sent: float) -> bytes:

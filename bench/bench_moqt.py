@@ -54,13 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvsp.container import Geometry, encode_container, layer_digest, replica_digest  # noqa: E402
 from kvsp.ids import BlockKey, CompatId, ScopeId  # noqa: E402
+from kvsp.moqt_mapping import kv_namespace, layer_digest_extension  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
 from moqt.asyncio import MOQTConnection, connect, serve, tune_socket  # noqa: E402
 from moqt.backend import TransportConfig, available_backends, get_backend  # noqa: E402
 from moqt.certs import make_self_signed  # noqa: E402
 from moqt.messages import StandaloneFetch  # noqa: E402
-from moqt.namespace import kv_namespace  # noqa: E402
-from moqt.objects import NATIVE_HEADERS, layer_digest_extension  # noqa: E402
+from moqt.objects import NATIVE_HEADERS  # noqa: E402
 from moqt.session_events import FetchReceived  # noqa: E402
 from moqt.transport import open_datagram_endpoint  # noqa: E402
 from moqt.wire import Location  # noqa: E402

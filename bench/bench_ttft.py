@@ -56,6 +56,7 @@ from kvsp.engine.checkpoint import descriptor_for, init_model  # noqa: E402
 from kvsp.engine.engine import Engine, ExportedBlock  # noqa: E402
 from kvsp.engine.sink import DeviceSink  # noqa: E402
 from kvsp.ids import BlockKey, ScopeId  # noqa: E402
+from kvsp.moqt_mapping import encode_namespace_octets, kv_namespace  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
 from kvsp.transfer.block_client import BlockClient  # noqa: E402
 from kvsp.transfer.moqt_client import MoqtBlockClient, parse_moqt_uri  # noqa: E402
@@ -65,8 +66,6 @@ from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
 from kvsp.web.testing import RunningService, start_process  # noqa: E402
 from moqt.asyncio import RequestRejected, connect  # noqa: E402
 from moqt.backend import available_backends, get_backend  # noqa: E402
-from moqt.namespace import kv_namespace  # noqa: E402
-from relay.kv import encode_namespace_octets  # noqa: E402
 
 TOKEN = "bench-ttft-token-0123456789abcdefghijkl"
 SCOPE = ScopeId(bytes(range(16)))

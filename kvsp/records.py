@@ -35,9 +35,6 @@ from kvsp.records_replica import (
     ReplicaRecord,
     Residency,
     TargetEstimate,
-    decode_moqt_namespace,
-    encode_moqt_namespace,
-    kv_namespace_fields,
 )
 from kvsp.records_session import ResumeRequest, Sampler, SessionCheckpoint
 from kvsp.records_shard import (
@@ -80,10 +77,7 @@ __all__ = [
     "StateAnswer",
     "TargetEstimate",
     "TokenRange",
-    "decode_moqt_namespace",
     "dumps",
-    "encode_moqt_namespace",
-    "kv_namespace_fields",
     "loads",
     "parse_reshard_message",
 ]

@@ -2,22 +2,20 @@
 
 A Replica Record says where a copy of one block is, which layers sit in which tier, and how to
 verify it. A record served over MOQT carries a ``moqt://`` holder and ``moqt_namespace``, the
-base64url of the five Track Namespace Fields each preceded by a one-octet length (DESIGN §4).
+base64url of the five Track Namespace Fields each preceded by a one-octet length (DESIGN §4;
+:mod:`kvsp.moqt_mapping` reads and writes it).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
 from kvsp.errors import RecordError
-from kvsp.fields import Fields, type_name
+from kvsp.fields import Fields
 from kvsp.ids import BlockKey, CompatId, ScopeId, format_digest
+from kvsp.moqt_mapping import format_moqt_namespace, read_moqt_namespace, split_namespace_octets
 from kvsp.records_common import (
     HTTP_SCHEMES,
     UINT32_MAX,
@@ -37,87 +35,6 @@ from kvsp.records_common import (
 from kvsp.registries import Tier
 
 _TIERS = {t.value: t for t in Tier}
-NAMESPACE_FIELDS = 5
-"""A KV block's MOQT Track Namespace has five fields (§4.4)."""
-_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
-
-
-def encode_moqt_namespace(fields: Sequence[bytes]) -> str:
-    """Encode Track Namespace Fields as ``moqt_namespace``: each field preceded by its one-octet
-    length, then base64url without padding (§4.4).
-
-    Raises:
-        RecordError: not exactly five fields, or a field that is empty or over 255 octets.
-    """
-    if len(fields) != NAMESPACE_FIELDS:
-        raise RecordError(f"expected {NAMESPACE_FIELDS} namespace fields, got {len(fields)}")
-    out = bytearray()
-    for field in fields:
-        if not 1 <= len(field) <= 255:
-            raise RecordError(f"a namespace field has 1-255 octets, got {len(field)}")
-        out.append(len(field))
-        out += field
-    return base64.urlsafe_b64encode(bytes(out)).rstrip(b"=").decode("ascii")
-
-
-def _namespace_octets(text: object, path: str) -> bytes:
-    if not isinstance(text, str):
-        raise RecordError(f"expected a base64url string, got {type_name(text)}", path=path)
-    # §4.4: base64url *without padding*; '=' and the '+/' alphabet are rejected.
-    if _BASE64URL.fullmatch(text) is None or len(text) % 4 == 1:
-        raise RecordError("expected base64url without padding", path=path)
-    try:
-        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError) as exc:
-        raise RecordError(f"expected base64url without padding: {exc}", path=path) from None
-    # Non-canonical trailing bits would let two strings name one namespace.
-    if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != text:
-        raise RecordError("non-canonical base64url (trailing bits set)", path=path)
-    _split_namespace(raw, path)
-    return raw
-
-
-def _split_namespace(raw: bytes, path: str) -> tuple[bytes, ...]:
-    fields: list[bytes] = []
-    offset = 0
-    while offset < len(raw):
-        if len(fields) == NAMESPACE_FIELDS:
-            raise RecordError("trailing octets after the fifth namespace field", path=path)
-        length = raw[offset]
-        end = offset + 1 + length
-        if length == 0 or end > len(raw):
-            raise RecordError(f"namespace field {len(fields)} is empty or truncated", path=path)
-        fields.append(raw[offset + 1 : end])
-        offset = end
-    if len(fields) != NAMESPACE_FIELDS:
-        raise RecordError(
-            f"expected {NAMESPACE_FIELDS} namespace fields, got {len(fields)}", path=path
-        )
-    return tuple(fields)
-
-
-def decode_moqt_namespace(text: str, path: str = "$") -> tuple[bytes, ...]:
-    """Decode ``moqt_namespace`` into its five Track Namespace Fields.
-
-    Raises:
-        RecordError: padding or a non-base64url character, non-canonical trailing bits, a field
-            that is empty or truncated, other than five fields, or octets after the fifth.
-    """
-    return _split_namespace(_namespace_octets(text, path), path)
-
-
-def kv_namespace_fields(
-    compat_id: CompatId, scope_id: ScopeId, block_key: BlockKey
-) -> tuple[bytes, ...]:
-    """The five namespace fields of a block per DESIGN §4: ``("kvsp", "1", compat hex32,
-    scope hex16, block key hex32)`` in ASCII."""
-    return (
-        b"kvsp",
-        b"1",
-        compat_id.hex().encode(),
-        scope_id.hex().encode(),
-        block_key.hex().encode(),
-    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,8 +98,8 @@ class ReplicaRecord:
     ``moqt_namespace`` is required when ``holder`` is a ``moqt`` URI. ``lease_base`` is our
     extension member (DESIGN §4): the HTTP base where leases on a relay-held replica are taken.
     ``moqt_namespace`` holds the namespace octets (fields with their length octets); see
-    :func:`decode_moqt_namespace`. ``codec`` is any uint16; whether it is registered matters to
-    whoever decodes the block, not to the index.
+    :func:`~kvsp.moqt_mapping.split_namespace_octets`. ``codec`` is any uint16; whether it is
+    registered matters to whoever decodes the block, not to the index.
     """
 
     block_key: BlockKey
@@ -229,7 +146,7 @@ class ReplicaRecord:
             ttl_ms=f.integer("ttl_ms"),
             moqt_namespace=None
             if namespace is None
-            else _namespace_octets(namespace, f.at("moqt_namespace")),
+            else read_moqt_namespace(namespace, f.at("moqt_namespace")),
             lease_base=None
             if lease_base is None
             else read_uri(lease_base, f.at("lease_base"), HTTP_SCHEMES),
@@ -252,9 +169,7 @@ class ReplicaRecord:
             out["residency"] = [r.to_json() for r in self.residency]
         out["ttl_ms"] = self.ttl_ms
         if self.moqt_namespace is not None:
-            out["moqt_namespace"] = (
-                base64.urlsafe_b64encode(self.moqt_namespace).rstrip(b"=").decode()
-            )
+            out["moqt_namespace"] = format_moqt_namespace(self.moqt_namespace)
         if self.lease_base is not None:
             out["lease_base"] = self.lease_base
         return out
@@ -268,7 +183,7 @@ class ReplicaRecord:
         """
         if self.moqt_namespace is None:
             return None
-        return _split_namespace(self.moqt_namespace, "$.moqt_namespace")
+        return split_namespace_octets(self.moqt_namespace, "$.moqt_namespace")
 
     def verify_layer_digests(self) -> bool:
         """Whether ``digest`` is the SHA-256 of the concatenated layer digests (§4.3); ``False``

@@ -10,7 +10,7 @@ Payload chunks are memoryview slices of the buffers fed in, never copies, so a 2
 hashed and copied into its destination piece by piece. A chunk stays valid as long as the buffer
 it came from is not mutated. Only object and stream headers split across feeds are buffered.
 
-Encoders, datagrams and the KVSP layer-digest helpers are in :mod:`moqt.objects_wire` and are
+Encoders, datagrams and the object extension helpers are in :mod:`moqt.objects_wire` and are
 re-exported here.
 """
 
@@ -34,8 +34,6 @@ from .objects_wire import (
     FETCH_SUBGROUP_NEXT,
     FETCH_SUBGROUP_PRESENT,
     FETCH_SUBGROUP_PRIOR,
-    KVSP_LAYER_DIGEST,
-    LAYER_DIGEST_SIZE,
     Extensions,
     FetchHeader,
     FetchStreamWriter,
@@ -44,13 +42,12 @@ from .objects_wire import (
     SubgroupIdMode,
     SubgroupWriter,
     check_object_id,
+    encode_immutable_extensions,
     encode_object_header,
     encode_subgroup_header,
-    find_layer_digest,
     immutable_extensions,
     is_datagram_type,
     is_subgroup_type,
-    layer_digest_extension,
     object_status,
     read_extensions,
 )
@@ -67,8 +64,6 @@ NATIVE_HEADERS: bool = _native is not None
 the Python reader, which takes every header it declines: errors, edge cases, split headers)."""
 
 __all__ = [
-    "KVSP_LAYER_DIGEST",
-    "LAYER_DIGEST_SIZE",
     "Crossing",
     "DataStreamEvent",
     "DataStreamParser",
@@ -85,13 +80,12 @@ __all__ = [
     "SubgroupHeader",
     "SubgroupIdMode",
     "SubgroupWriter",
+    "encode_immutable_extensions",
     "encode_object_header",
     "encode_subgroup_header",
-    "find_layer_digest",
     "immutable_extensions",
     "is_datagram_type",
     "is_subgroup_type",
-    "layer_digest_extension",
 ]
 
 StreamHeader: TypeAlias = SubgroupHeader | FetchHeader

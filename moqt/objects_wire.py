@@ -14,7 +14,6 @@ from enum import IntEnum
 from typing import TypeAlias
 
 from .errors import (
-    KeyValueFormattingError,
     MalformedTrack,
     MOQTError,
     NeedMoreData,
@@ -62,11 +61,6 @@ FETCH_DATAGRAM = 0x40
 FETCH_END_OF_NON_EXISTENT_RANGE = 0x8C
 FETCH_END_OF_UNKNOWN_RANGE = 0x10C
 
-KVSP_LAYER_DIGEST = 0x4B57
-"""Our private object extension (odd, ≥ 16384: first-come-first-served, §13): the layer's
-SHA-256, 32 octets, carried inside IMMUTABLE_EXTENSIONS (DESIGN.md §4)."""
-LAYER_DIGEST_SIZE = 32
-
 
 class SubgroupIdMode(IntEnum):
     """SUBGROUP_ID_MODE, ``(type & 0x06) >> 1`` (§10.4.2); 0b11 is reserved."""
@@ -113,7 +107,7 @@ def check_object_extensions(extensions: Extensions) -> Extensions:
         MalformedTrack: two IMMUTABLE_EXTENSIONS, a nested one, an unparsable one, or a repeated
             PRIOR_GROUP_ID_GAP / PRIOR_OBJECT_ID_GAP.
     """
-    if len(extensions) == 1:  # the common case (KVSP: one IMMUTABLE_EXTENSIONS): no set
+    if len(extensions) == 1:  # the common case (one IMMUTABLE_EXTENSIONS): no set
         ext_type, value = extensions[0]
         if ext_type == _IMMUTABLE and isinstance(value, bytes):
             _decode_immutable(value)
@@ -157,34 +151,15 @@ def immutable_extensions(extensions: Sequence[KeyValuePair]) -> Extensions:
     return ()
 
 
-def layer_digest_extension(digest: bytes, *, others: Sequence[KeyValuePair] = ()) -> KeyValuePair:
-    """IMMUTABLE_EXTENSIONS holding KVSP's layer digest (plus ``others``), for an object.
+def encode_immutable_extensions(inner: Sequence[KeyValuePair]) -> KeyValuePair:
+    """The IMMUTABLE_EXTENSIONS extension holding the Key-Value-Pairs ``inner`` (§11.2).
 
     Raises:
-        ValueError: ``digest`` is not 32 octets, or ``others`` holds a digest or a nested
-            IMMUTABLE_EXTENSIONS.
+        ValueError: ``inner`` holds an IMMUTABLE_EXTENSIONS (§11.2 forbids nesting one).
     """
-    if len(digest) != LAYER_DIGEST_SIZE:
-        raise ValueError(f"layer digest must be 32 octets, got {len(digest)}")
-    if any(pair[0] in (KVSP_LAYER_DIGEST, ExtensionType.IMMUTABLE_EXTENSIONS) for pair in others):
-        raise ValueError("others may not hold a layer digest or IMMUTABLE_EXTENSIONS")
-    inner = [*others, (KVSP_LAYER_DIGEST, bytes(digest))]
+    if any(pair[0] == _IMMUTABLE for pair in inner):
+        raise ValueError("IMMUTABLE_EXTENSIONS may not nest inside IMMUTABLE_EXTENSIONS")
     return ExtensionType.IMMUTABLE_EXTENSIONS, encode_kvps(inner)
-
-
-def find_layer_digest(extensions: Sequence[KeyValuePair]) -> bytes | None:
-    """KVSP's layer digest from an object's IMMUTABLE_EXTENSIONS, or None when absent.
-
-    Raises:
-        MalformedTrack: IMMUTABLE_EXTENSIONS cannot be parsed (§11.2).
-        KeyValueFormattingError: the digest is not 32 octets (§1.4.2).
-    """
-    for ext_type, value in immutable_extensions(extensions):
-        if ext_type == KVSP_LAYER_DIGEST and isinstance(value, bytes):
-            if len(value) != LAYER_DIGEST_SIZE:
-                raise KeyValueFormattingError(f"layer digest of {len(value)} octets, not 32")
-            return value
-    return None
 
 
 def push_extensions(writer: Writer, extensions: Sequence[KeyValuePair]) -> None:

@@ -18,11 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvsp.errors import Unauthorized
+from kvsp.moqt_mapping import Scoped, classify
 from kvsp.web.auth import Principal, Principals, has_role, may_use_scope
 from moqt.messages import AuthToken, TokenAliasType
 from moqt.wire import TrackNamespace
-
-from .kv import Scoped, classify
 
 ANONYMOUS = Principal(name="anonymous", roles=frozenset({"admin"}), scopes=None)
 """Everyone, in open mode."""

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvsp.moqt_mapping import Scoped, classify
 from kvsp.web.auth import Principal
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import AuthToken, SubscribeOptions
@@ -38,7 +39,6 @@ from moqt.wire import TrackNamespace
 
 from . import access
 from .cache import TrackKey
-from .kv import Scoped, classify
 from .peer import Peer, refuse
 from .routing import NamespaceRoutes, NamespaceSubscribers, is_prefix
 from .track import RelayedTrack

@@ -1,70 +1,34 @@
 """KV blocks as MOQT tracks, seen from the relay (DESIGN.md §4; spec §4.3, §4.4): sans-I/O.
 
-A stored replica track has the namespace ``("kvsp", "1", compat hex32, scope hex16, block key
-hex32)`` and the replica digest (hex32) as its name; group 0 holds one object per layer, whose
-payload is K‖V of that layer, so SHA-256(payload) is the layer digest. The relay:
+The mapping itself (names, objects, the in-band layer digest) is :mod:`kvsp.moqt_mapping`;
+this module applies it to the relay's cache:
 
-* classifies a namespace for authorization (:func:`classify`): plain, a KV scope, or a
-  ``kvsp`` namespace too short (or malformed) to name one scope;
-* checks each object of a stored track against its in-band layer digest, when present
-  (:func:`check_layer`);
-* knows a stored track is complete when the layer digests of objects 0..L-1 hash to the track
-  name (:func:`complete_replica`): the name pins the bytes, so no end-of-group signal is needed;
-* builds the Replica Record it publishes for such a track (:func:`replica_record`).
+* :func:`block_track` says which block a cached track stores, if it is a stored replica track;
+* :func:`check_layer` checks each object against its in-band layer digest, when present;
+* :func:`complete_replica` knows a stored track is complete when the layer digests of objects
+  0..L-1 hash to the track name: the name pins the bytes, so no end-of-group signal is needed;
+* :func:`replica_record` builds the Replica Record the relay publishes for such a track.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 from dataclasses import dataclass
 
-from kvsp.container import header_size
+from kvsp.container import header_size, replica_digest
+from kvsp.errors import InvalidIdentifier
 from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.moqt_mapping import (
+    KV_GROUP,
+    encode_namespace_octets,
+    find_layer_digest,
+    parse_kv_namespace,
+    parse_stored_track_name,
+)
 from kvsp.records import ReplicaRecord, Residency
-from kvsp.registries import Tier
+from kvsp.registries import Codec, Tier
 from moqt.errors import MOQTError
-from moqt.objects import find_layer_digest
-from moqt.wire import TrackNamespace
 
 from .cache import CachedObject, CacheTrack, TrackKey
-
-KV_APP = b"kvsp"
-KV_VERSION = b"1"
-CODEC_RAW = 1
-_HEX32 = re.compile(rb"[0-9a-f]{64}")
-_HEX16 = re.compile(rb"[0-9a-f]{32}")
-
-
-@dataclass(frozen=True, slots=True)
-class Plain:
-    """A namespace outside KVSP."""
-
-
-@dataclass(frozen=True, slots=True)
-class Broad:
-    """A ``kvsp`` namespace that names no single scope (too short, or malformed)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Scoped:
-    """A KV namespace with its scope (4 fields: a scope prefix; 5: one block)."""
-
-    scope_id: bytes
-
-
-NamespaceClass = Plain | Broad | Scoped
-
-
-def classify(namespace: TrackNamespace) -> NamespaceClass:
-    """Which authorization rule applies to ``namespace`` (DESIGN §3, §4)."""
-    if not namespace or namespace[0] != KV_APP:
-        return Plain()
-    if len(namespace) < 4 or namespace[1] != KV_VERSION:
-        return Broad()
-    if _HEX32.fullmatch(namespace[2]) is None or _HEX16.fullmatch(namespace[3]) is None:
-        return Broad()
-    return Scoped(bytes.fromhex(namespace[3].decode("ascii")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +49,14 @@ class BlockTrack:
 def block_track(key: TrackKey) -> BlockTrack | None:
     """The block a track stores, when ``key`` names a stored replica track (DESIGN §4)."""
     namespace, name = key
-    if len(namespace) != 5 or not isinstance(classify(namespace), Scoped):
+    digest = parse_stored_track_name(name)
+    if digest is None:
         return None
-    if _HEX32.fullmatch(namespace[4]) is None or _HEX32.fullmatch(name) is None:
+    try:
+        compat, scope, block_key = parse_kv_namespace(namespace)
+    except InvalidIdentifier:
         return None
-    return BlockTrack(
-        CompatId(bytes.fromhex(namespace[2].decode())),
-        ScopeId(bytes.fromhex(namespace[3].decode())),
-        BlockKey(bytes.fromhex(namespace[4].decode())),
-        bytes.fromhex(name.decode()),
-    )
-
-
-def layer_digest(payload: bytes) -> bytes:
-    """The layer digest of one object's payload (spec §4.3: SHA-256 of K‖V)."""
-    return hashlib.sha256(payload).digest()
+    return BlockTrack(compat, scope, block_key, digest)
 
 
 def check_layer(obj: CachedObject) -> str | None:
@@ -136,26 +93,17 @@ def complete_replica(block: BlockTrack, track: CacheTrack) -> KVReplica | None:
     """The replica, when group 0 of ``track`` holds objects 0..L-1 whose layer digests hash to
     the track name (spec §4.3 replica digest), and no object beyond them."""
     layers: list[CachedObject] = []
-    for obj in track.in_group(0):
+    for obj in track.in_group(KV_GROUP):
         if obj.object_id != len(layers) or obj.digest is None:
             break
         layers.append(obj)
     if not layers or len(layers) != len(track.objects):
         return None
     digests = tuple(obj.digest for obj in layers if obj.digest is not None)
-    if hashlib.sha256(b"".join(digests)).digest() != block.digest:
+    if replica_digest(digests) != block.digest:
         return None
     size = header_size(len(layers)) + sum(len(obj.payload) for obj in layers)
     return KVReplica(block, track.key, digests, size, track.expires_ms())
-
-
-def encode_namespace_octets(namespace: TrackNamespace) -> bytes:
-    """``moqt_namespace`` octets: each field preceded by its length as one octet (§4.4)."""
-    out = bytearray()
-    for part in namespace:
-        out.append(len(part))
-        out += part
-    return bytes(out)
 
 
 def replica_record(
@@ -172,7 +120,7 @@ def replica_record(
         compat_id=block.compat_id,
         scope_id=block.scope_id,
         holder=holder,
-        codec=CODEC_RAW,
+        codec=Codec.RAW.value,
         size=replica.size,
         digest=block.digest,
         layer_digests=replica.layer_digests,

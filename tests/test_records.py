@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kvsp import records
 from kvsp.errors import KVSPError, RecordError
 from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.moqt_mapping import decode_moqt_namespace, encode_moqt_namespace, kv_namespace
 from kvsp.records import (
     MAX_DEPTH,
     DirectiveBlock,
@@ -51,10 +52,7 @@ from kvsp.records import (
     ShardMap,
     StateAnswer,
     TargetEstimate,
-    decode_moqt_namespace,
     dumps,
-    encode_moqt_namespace,
-    kv_namespace_fields,
     loads,
     parse_reshard_message,
 )
@@ -927,9 +925,9 @@ def test_reshard_plan_disjoint_ranges() -> None:
 # --- MOQT namespace --------------------------------------------------------------------------
 
 
-def test_kv_namespace_fields_and_round_trip() -> None:
+def test_kv_namespace_and_round_trip() -> None:
     compat, scope, key = CompatId(bytes(range(32))), ScopeId(bytes(16)), BlockKey(b"\xff" * 32)
-    fields = kv_namespace_fields(compat, scope, key)
+    fields = kv_namespace(compat, scope, key)
     assert fields == (
         b"kvsp",
         b"1",

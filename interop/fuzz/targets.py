@@ -26,6 +26,7 @@ from kvsp.compat import CompatibilityDescriptor
 from kvsp.container import ContainerLimits, Geometry, decode_container, encode_container
 from kvsp.container_reader import ContainerReader
 from kvsp.errors import KVSPError
+from kvsp.moqt_mapping import decode_moqt_namespace, layer_digest_extension
 from kvsp.placement_plan import DirectiveOptions
 from kvsp.records import (
     DirectiveBlock,
@@ -53,7 +54,6 @@ from kvsp.records import (
     ShardMap,
     StateAnswer,
     TargetEstimate,
-    decode_moqt_namespace,
     dumps,
     loads,
     parse_reshard_message,
@@ -90,7 +90,6 @@ from moqt.objects import (
     ObjectStatus,
     SubgroupHeader,
     SubgroupWriter,
-    layer_digest_extension,
 )
 from moqt.wire import Location, decode_varint
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvsp.moqt_mapping import find_layer_digest, layer_digest_extension
 from moqt.asyncio import (
     MOQTConnection,
     RequestRejected,
@@ -22,7 +23,6 @@ from moqt.backend import available_backends, get_backend, initial_padded_outside
 from moqt.certs import make_self_signed
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import StandaloneFetch
-from moqt.objects import find_layer_digest, layer_digest_extension
 from moqt.session_events import (
     DataStreamFinished,
     FetchReceived,

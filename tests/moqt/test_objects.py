@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moqt.objects
+from kvsp.moqt_mapping import find_layer_digest, layer_digest_extension
 from moqt.errors import (
     KeyValueFormattingError,
     MalformedTrack,
@@ -28,7 +29,6 @@ from moqt.errors import (
 )
 from moqt.messages_params import ExtensionType
 from moqt.objects import (
-    KVSP_LAYER_DIGEST,
     DataStreamEvent,
     DataStreamParser,
     EndOfRange,
@@ -42,13 +42,12 @@ from moqt.objects import (
     SubgroupHeader,
     SubgroupIdMode,
     SubgroupWriter,
+    encode_immutable_extensions,
     encode_object_header,
     encode_subgroup_header,
-    find_layer_digest,
     immutable_extensions,
     is_datagram_type,
     is_subgroup_type,
-    layer_digest_extension,
 )
 from moqt.wire import VARINT_MAX, KeyValuePair, encode_kvps, encode_varint
 
@@ -323,19 +322,13 @@ def test_extension_rules() -> None:
     assert kvf.value.error_code == SessionError.KEY_VALUE_FORMATTING_ERROR
 
 
-def test_layer_digest_extension() -> None:
-    digest = hashlib.sha256(b"layer").digest()
-    ext = layer_digest_extension(digest, others=[(0x4B56, 3)])
+def test_immutable_extensions_round_trip() -> None:
+    ext = encode_immutable_extensions([(0x4B56, 3), (0x4B57, b"digest")])
     assert ext[0] == ExtensionType.IMMUTABLE_EXTENSIONS
-    assert KVSP_LAYER_DIGEST % 2 == 1 and KVSP_LAYER_DIGEST >= 16384
-    assert immutable_extensions([(2, 1), ext]) == ((0x4B56, 3), (KVSP_LAYER_DIGEST, digest))
-    assert find_layer_digest([ext, (0x3D, b"z")]) == digest
-    assert find_layer_digest([(0x3D, b"z")]) is None
+    assert immutable_extensions([(2, 1), ext]) == ((0x4B56, 3), (0x4B57, b"digest"))
+    assert immutable_extensions([(2, 1)]) == ()
     with pytest.raises(ValueError):
-        layer_digest_extension(b"short")
-    bad = (0x0B, encode_kvps([(KVSP_LAYER_DIGEST, b"x" * 31)]))
-    with pytest.raises(KeyValueFormattingError):
-        find_layer_digest([bad])
+        encode_immutable_extensions([ext])  # §11.2: never nested
 
 
 def test_fin_rules() -> None:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from test_objects import feed_in, fetch_streams, random_sizes, subgroup_streams
 
 import moqt.objects
+from kvsp.moqt_mapping import layer_digest_extension
 from moqt.errors import MalformedTrack, MOQTError
 from moqt.objects import (
     DataStreamParser,
@@ -29,7 +30,6 @@ from moqt.objects import (
     ObjectStart,
     SubgroupHeader,
     SubgroupWriter,
-    layer_digest_extension,
 )
 from moqt.wire import VARINT_MAX, Reader, encode_kvps, encode_varint
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvsp.moqt_mapping import find_layer_digest, layer_digest_extension
 from moqt.backend import Backend, available_backends, get_backend
 from moqt.certs import make_self_signed
 from moqt.errors import ObjectStatus, PublishDoneCode, RequestErrorCode, SessionError
@@ -28,13 +29,7 @@ from moqt.messages import (
     SubscribeOk,
 )
 from moqt.messages_params import ExtensionType
-from moqt.objects import (
-    DataStreamParser,
-    SubgroupHeader,
-    SubgroupWriter,
-    find_layer_digest,
-    layer_digest_extension,
-)
+from moqt.objects import DataStreamParser, SubgroupHeader, SubgroupWriter
 from moqt.session import MOQTSession, SessionConfig
 from moqt.session_events import (
     DatagramReceived,

@@ -17,13 +17,12 @@ from typing import Any
 import pytest
 
 from kvsp.ids import BlockKey, CompatId, ScopeId
-from kvsp.records import kv_namespace_fields
+from kvsp.moqt_mapping import kv_namespace, layer_digest_extension
 from moqt.asyncio import MOQTConnection, ReceivedObject, connect
 from moqt.backend import get_backend
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import StandaloneFetch
 from moqt.messages_params import ExtensionType
-from moqt.objects import layer_digest_extension
 from moqt.session_events import FetchReceived, SubscribeReceived, UnsubscribeReceived
 from moqt.wire import KeyValuePair, Location, TrackNamespace
 from relay.relay import Relay, RelayConfig
@@ -75,7 +74,7 @@ def make_block(seed: int, *, scope: bytes = SCOPE_A, layers: int = 4, size: int 
         for i in range(layers)
     )
     key = BlockKey(hashlib.sha256(b"key%d" % seed).digest())
-    namespace = kv_namespace_fields(COMPAT, ScopeId(scope), key)
+    namespace = kv_namespace(COMPAT, ScopeId(scope), key)
     digest = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in payloads)).digest()
     return Block(namespace, digest.hex().encode(), payloads, scope, key)
 

@@ -11,16 +11,17 @@ import pytest
 from relay_testkit import SCOPE_A, SCOPE_B, make_block, max_cache
 
 from kvsp.errors import Unauthorized
+from kvsp.moqt_mapping import Broad, Plain, Scoped, classify, layer_digest_extension
 from kvsp.web.auth import Principal, Principals, principal_entry
 from moqt.errors import ObjectStatus
 from moqt.messages import AuthToken, TokenAliasType
 from moqt.messages_params import FilterType, SubscriptionFilter
-from moqt.objects import ObjectStart, layer_digest_extension
+from moqt.objects import ObjectStart
 from moqt.wire import KeyValuePair, Location
 from relay import access
 from relay.cache import CachedObject, Malformed, ObjectCache, PutResult
 from relay.ingest import ObjectIngest
-from relay.kv import Broad, Plain, Scoped, block_track, classify, complete_replica
+from relay.kv import block_track, complete_replica
 from relay.routing import DeliveryFilter, NamespaceRoutes, NamespaceSubscribers
 
 NS = (b"plain", b"ns")

@@ -20,11 +20,11 @@ from relay_testkit import (
     until,
 )
 
+from kvsp.moqt_mapping import find_layer_digest
 from moqt.asyncio import MOQTConnection, RequestRejected, TrackReader
 from moqt.certs import make_self_signed
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import SubscribeOptions
-from moqt.objects import find_layer_digest
 from moqt.session_events import (
     DataStreamFinished,
     FetchReceived,

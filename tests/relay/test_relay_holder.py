@@ -30,7 +30,8 @@ from relay_testkit import (
 
 from kvsp.container import header_size
 from kvsp.ids import BlockKey, ScopeId
-from kvsp.records import LookupRequest, ReplicaRecord, decode_moqt_namespace
+from kvsp.moqt_mapping import decode_moqt_namespace
+from kvsp.records import LookupRequest, ReplicaRecord
 from kvsp.registries import Tier
 from kvsp.services.index.client import IndexClient
 from kvsp.web.auth import Principals, principal_entry, write_principals

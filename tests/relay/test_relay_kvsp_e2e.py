@@ -31,7 +31,8 @@ from kvsp.engine.toy import toy_descriptor
 from kvsp.errors import Forbidden
 from kvsp.ids import ScopeId
 from kvsp.keys import block_keys, scope_id
-from kvsp.records import LeaseRequest, LookupRequest, ReplicaRecord, decode_moqt_namespace
+from kvsp.moqt_mapping import decode_moqt_namespace
+from kvsp.records import LeaseRequest, LookupRequest, ReplicaRecord
 from kvsp.services.index.client import IndexClient
 from kvsp.transfer.block_client import BlockClient
 from kvsp.transfer.moqt_client import MoqtBlockClient

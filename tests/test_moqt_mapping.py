@@ -1,4 +1,5 @@
-"""moqt.namespace: the KV-to-MOQT mapping of DESIGN.md §4 (names, ranges, object ↔ layer)."""
+"""kvsp.moqt_mapping: the KV-to-MOQT mapping of DESIGN.md §4 (names, ranges, the in-band layer
+digest, object ↔ layer)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,22 @@ from hypothesis import strategies as st
 from kvsp.container import Geometry, encode_container
 from kvsp.errors import ContainerError, InvalidIdentifier
 from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
-from kvsp.records import decode_moqt_namespace, encode_moqt_namespace, kv_namespace_fields
-from moqt.namespace import (
+from kvsp.moqt_mapping import (
+    LAYER_DIGEST_TYPE,
+    Broad,
     LayerAssembler,
+    Plain,
+    Scoped,
+    classify,
+    decode_moqt_namespace,
+    encode_moqt_namespace,
     fetch_layer_range,
+    find_layer_digest,
     is_kv_namespace,
     is_live_track_name,
     kv_namespace,
     kv_scope_prefix,
+    layer_digest_extension,
     layer_range_locations,
     live_track_name,
     parse_kv_namespace,
@@ -26,7 +35,10 @@ from moqt.namespace import (
     split_layer_payload,
     stored_track_name,
 )
-from moqt.wire import Location
+from moqt.errors import KeyValueFormattingError
+from moqt.messages_params import ExtensionType
+from moqt.objects import immutable_extensions
+from moqt.wire import Location, encode_kvps
 
 COMPAT = CompatId(bytes(range(32)))
 SCOPE = ScopeId(bytes(range(100, 116)))
@@ -34,9 +46,8 @@ KEY = BlockKey(bytes(range(200, 232)))
 GEOMETRY = Geometry(layers=4, kv_heads=1, head_dim=2, element_size=2)  # 4 octets per token
 
 
-def test_namespace_is_the_records_and_round_trips() -> None:
+def test_namespace_round_trips() -> None:
     fields = kv_namespace(COMPAT, SCOPE, KEY)
-    assert fields == kv_namespace_fields(COMPAT, SCOPE, KEY)
     assert fields[:4] == kv_scope_prefix(COMPAT, SCOPE)
     assert fields == (
         b"kvsp",
@@ -74,6 +85,23 @@ def test_garbage_namespaces_parse_or_raise_invalid_identifier(fields: list[bytes
     except InvalidIdentifier:
         return
     assert kv_namespace(compat, scope, key) == tuple(fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (kv_namespace(COMPAT, SCOPE, KEY), Scoped(SCOPE)),
+        (kv_scope_prefix(COMPAT, SCOPE), Scoped(SCOPE)),
+        ((*kv_namespace(COMPAT, SCOPE, KEY), b"x"), Scoped(SCOPE)),  # the prefix decides
+        ((b"kvsp", b"1", "é".encode() * 32, SCOPE.hex().encode()), Broad()),
+        ((b"kvsp", b"1", COMPAT.hex().encode()), Broad()),
+        ((b"kvsp",), Broad()),
+        ((b"kvs", b"1"), Plain()),
+        ((), Plain()),
+    ],
+)
+def test_classify(fields: tuple[bytes, ...], expected: object) -> None:
+    assert classify(fields) == expected
 
 
 def test_wrong_identifier_lengths_are_refused() -> None:
@@ -115,6 +143,21 @@ def test_layer_range_locations_round_trip() -> None:
     assert fetch_layer_range(start, end, 32) == (3, 7)
     with pytest.raises(ValueError):
         layer_range_locations(4, 3)
+
+
+def test_layer_digest_extension() -> None:
+    digest = hashlib.sha256(b"layer").digest()
+    ext = layer_digest_extension(digest, others=[(0x4B56, 3)])
+    assert ext[0] == ExtensionType.IMMUTABLE_EXTENSIONS
+    assert LAYER_DIGEST_TYPE % 2 == 1 and LAYER_DIGEST_TYPE >= 16384
+    assert immutable_extensions([(2, 1), ext]) == ((0x4B56, 3), (LAYER_DIGEST_TYPE, digest))
+    assert find_layer_digest([ext, (0x3D, b"z")]) == digest
+    assert find_layer_digest([(0x3D, b"z")]) is None
+    with pytest.raises(ValueError):
+        layer_digest_extension(b"short")
+    bad = (0x0B, encode_kvps([(LAYER_DIGEST_TYPE, b"x" * 31)]))
+    with pytest.raises(KeyValueFormattingError):
+        find_layer_digest([bad])
 
 
 def layers(tokens: int) -> list[tuple[bytes, bytes]]:

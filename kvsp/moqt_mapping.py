@@ -1,55 +1,82 @@
-"""KV blocks as MOQT tracks (DESIGN.md §4; spec §4.3 digests, §4.4 ``moqt_namespace``).
+"""KV blocks over MOQT: the one mapping (DESIGN.md §4; spec §4.3 digests, §4.4 ``moqt_namespace``).
 
-The mapping, sans-I/O, shared by publishers, consumers and the relay:
+Publisher, consumer, relay and Replica Record take their names from here, one spelling each:
 
 * namespace = five ASCII fields ``("kvsp", "1", compat_id hex32, scope_id hex16, block_key
   hex32)``; an instance PUBLISH_NAMESPACEs the four-field scope prefix;
 * a stored replica's track is named by its replica digest as hex32, so a name pins the bytes;
 * a block being produced is the track ``live-`` + ``uri_id(producer)``;
 * group 0, object id = layer index, payload = K section ‖ V section of that layer; layers
-  ``a..b`` are FETCHed as ``{0,a}`` .. ``{0,b+1}`` (an End Object of 0 means the whole group).
+  ``a..b`` are FETCHed as ``{0,a}`` .. ``{0,b+1}`` (an End Object of 0 means the whole group);
+* each object may carry its layer digest in our private extension :data:`LAYER_DIGEST_TYPE`
+  inside IMMUTABLE_EXTENSIONS, so a live consumer checks a layer as it arrives;
+* a record's ``moqt_namespace`` is base64url without padding of the five fields, each after a
+  one-octet length.
 
-:class:`LayerAssembler` turns the objects of one block back into layers: it places each
-payload piece where its layer goes (one buffer for the block, or the caller's
-:class:`~kvsp.container_reader.LayerSink`) and hashes it on the way, so a layer can be checked
-against its layer digest the moment its last octet arrives.
-
-:func:`parse_kv_namespace` and :func:`parse_stored_track_name` are strict: anything but the
-exact form above raises :class:`~kvsp.errors.InvalidIdentifier`, so a relay can refuse a
-request for a name that is not a KV block without guessing.
+Parsers are strict, so a relay refuses a name that is not a KV block without guessing (names
+raise :class:`~kvsp.errors.InvalidIdentifier`; ``moqt_namespace`` a
+:class:`~kvsp.errors.RecordError` naming its JSON path). :class:`LayerAssembler` turns a
+block's objects back into layers. Sans-I/O: of moqt, only its wire and object codecs.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
-from kvsp.container import Geometry, Layer
+from kvsp import ids
+from kvsp.container import DIGEST_SIZE, Geometry, Layer
 from kvsp.container_reader import LayerSink
-from kvsp.errors import ContainerError, InvalidIdentifier
-from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
-
-from .wire import Bytes, Location, TrackNamespace
+from kvsp.errors import ContainerError, InvalidIdentifier, RecordError
+from kvsp.fields import type_name
+from kvsp.ids import BlockKey, CompatId, ScopeId
+from moqt.errors import KeyValueFormattingError
+from moqt.objects import encode_immutable_extensions, immutable_extensions
+from moqt.wire import Bytes, KeyValuePair, Location, TrackNamespace
 
 KV_TAG = b"kvsp"
 """Field 1: the application tag, for PUBLISH_NAMESPACE / SUBSCRIBE_NAMESPACE prefix matching."""
 KV_MAPPING_VERSION = b"1"
 """Field 2: the version of this mapping."""
 KV_NAMESPACE_FIELDS = 5
+"""A block's Track Namespace has five fields; its scope prefix the first four."""
 KV_GROUP = 0
 """A block is one group; its objects are its layers."""
 LIVE_PREFIX = b"live-"
-DIGEST_SIZE = 32
-_HEX32 = re.compile(rb"[0-9a-f]{64}")
-_HEX16 = re.compile(rb"[0-9a-f]{32}")
-_LIVE = re.compile(rb"live-[0-9a-f]{32}")
+"""A live track's name: this prefix, then the producer's uri_id (hex16)."""
+LAYER_DIGEST_TYPE = 0x4B57
+"""Our private object extension (odd, ≥ 16384: first-come-first-served, MOQT §13): the layer's
+SHA-256, 32 octets, carried inside IMMUTABLE_EXTENSIONS."""
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
+_Id = TypeVar("_Id", bound=bytes)
+
+
+# -- namespaces and track names ----------------------------------------------------------------
 
 
 def _hex(value: bytes, size: int, what: str) -> bytes:
-    if len(value) != size:
-        raise InvalidIdentifier(f"{what} must be {size} octets, got {len(value)}")
-    return value.hex().encode("ascii")
+    return ids.check_length(value, size, what).hex().encode("ascii")
+
+
+def _parse_hex(value: Bytes, parse: Callable[[object], _Id]) -> _Id | None:
+    """``value`` parsed as the ASCII of a :mod:`kvsp.ids` hex identifier, or None."""
+    try:
+        return parse(bytes(value).decode("ascii"))
+    except (UnicodeDecodeError, InvalidIdentifier):
+        return None
+
+
+def _parse_field(value: Bytes, parse: Callable[[object], _Id], what: str) -> _Id:
+    parsed = _parse_hex(value, parse)
+    if parsed is None:
+        shown = bytes(value)[:80]
+        raise InvalidIdentifier(f"namespace field {what} is not lowercase hex: {shown!r}")
+    return parsed
 
 
 def kv_scope_prefix(compat: CompatId | bytes, scope: ScopeId | bytes) -> TrackNamespace:
@@ -69,13 +96,20 @@ def kv_scope_prefix(compat: CompatId | bytes, scope: ScopeId | bytes) -> TrackNa
 def kv_namespace(
     compat: CompatId | bytes, scope: ScopeId | bytes, key: BlockKey | bytes
 ) -> TrackNamespace:
-    """The five Track Namespace Fields of one block (equal to
-    :func:`kvsp.records.kv_namespace_fields`).
+    """The five Track Namespace Fields of one block.
 
     Raises:
         InvalidIdentifier: an identifier of the wrong length.
     """
     return (*kv_scope_prefix(compat, scope), _hex(key, 32, "block_key"))
+
+
+def _parse_prefix(fields: Sequence[Bytes]) -> tuple[CompatId, ScopeId]:
+    tag, version = bytes(fields[0]), bytes(fields[1])
+    if tag != KV_TAG or version != KV_MAPPING_VERSION:
+        raise InvalidIdentifier(f"not a KVSP v1 namespace: {tag[:16]!r}/{version[:16]!r}")
+    compat = _parse_field(fields[2], ids.parse_compat_id, "compat_id")
+    return compat, _parse_field(fields[3], ids.parse_scope_id, "scope_id")
 
 
 def parse_kv_namespace(fields: Sequence[Bytes]) -> tuple[CompatId, ScopeId, BlockKey]:
@@ -87,21 +121,8 @@ def parse_kv_namespace(fields: Sequence[Bytes]) -> tuple[CompatId, ScopeId, Bloc
     """
     if len(fields) != KV_NAMESPACE_FIELDS:
         raise InvalidIdentifier(f"a KV namespace has 5 fields, got {len(fields)}")
-    tag, version, compat, scope, key = (bytes(field) for field in fields)
-    if tag != KV_TAG or version != KV_MAPPING_VERSION:
-        raise InvalidIdentifier(f"not a KVSP v1 namespace: {tag[:16]!r}/{version[:16]!r}")
-    for value, pattern, what in (
-        (compat, _HEX32, "compat_id"),
-        (scope, _HEX16, "scope_id"),
-        (key, _HEX32, "block_key"),
-    ):
-        if pattern.fullmatch(value) is None:
-            raise InvalidIdentifier(f"namespace field {what} is not lowercase hex: {value[:80]!r}")
-    return (
-        CompatId(bytes.fromhex(compat.decode())),
-        ScopeId(bytes.fromhex(scope.decode())),
-        BlockKey(bytes.fromhex(key.decode())),
-    )
+    compat, scope = _parse_prefix(fields)
+    return compat, scope, _parse_field(fields[4], ids.parse_block_key, "block_key")
 
 
 def is_kv_namespace(fields: Sequence[Bytes]) -> bool:
@@ -111,6 +132,39 @@ def is_kv_namespace(fields: Sequence[Bytes]) -> bool:
     except InvalidIdentifier:
         return False
     return True
+
+
+@dataclass(frozen=True, slots=True)
+class Plain:
+    """A namespace outside KVSP."""
+
+
+@dataclass(frozen=True, slots=True)
+class Broad:
+    """A ``kvsp`` namespace that names no single scope (too short, or malformed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scoped:
+    """A KV namespace with its scope (4 fields: a scope prefix; 5: one block)."""
+
+    scope_id: ScopeId
+
+
+NamespaceClass = Plain | Broad | Scoped
+
+
+def classify(fields: Sequence[Bytes]) -> NamespaceClass:
+    """Which authorization rule applies to a namespace or namespace prefix (DESIGN §3, §4):
+    outside KVSP, KVSP but no single scope, or within the scope its first four fields name."""
+    if not fields or bytes(fields[0]) != KV_TAG:
+        return Plain()
+    if len(fields) < 4:
+        return Broad()
+    try:
+        return Scoped(_parse_prefix(fields)[1])
+    except InvalidIdentifier:
+        return Broad()
 
 
 def stored_track_name(digest: bytes) -> bytes:
@@ -124,20 +178,114 @@ def stored_track_name(digest: bytes) -> bytes:
 
 def parse_stored_track_name(name: Bytes) -> bytes | None:
     """The replica digest a stored track's name carries; None for any other name (live ones)."""
-    raw = bytes(name)
-    if _HEX32.fullmatch(raw) is None:
-        return None
-    return bytes.fromhex(raw.decode())
+    return _parse_hex(name, ids.parse_hex32)
 
 
 def live_track_name(producer_uri: str) -> bytes:
     """The track of a block being produced by ``producer_uri``: ``live-`` + its uri_id."""
-    return LIVE_PREFIX + uri_id(producer_uri).encode("ascii")
+    return LIVE_PREFIX + ids.uri_id(producer_uri).encode("ascii")
 
 
 def is_live_track_name(name: Bytes) -> bool:
     """Whether ``name`` has the form of a live track name."""
-    return _LIVE.fullmatch(bytes(name)) is not None
+    raw = bytes(name)
+    if not raw.startswith(LIVE_PREFIX):
+        return False
+    return _parse_hex(raw[len(LIVE_PREFIX) :], ids.parse_hex16) is not None
+
+
+# -- moqt_namespace (§4.4) ---------------------------------------------------------------------
+
+
+def encode_namespace_octets(fields: Sequence[bytes]) -> bytes:
+    """The ``moqt_namespace`` octets: each of the five fields preceded by its length as one octet.
+
+    Raises:
+        RecordError: not exactly five fields, or a field that is empty or over 255 octets.
+    """
+    if len(fields) != KV_NAMESPACE_FIELDS:
+        raise RecordError(f"expected {KV_NAMESPACE_FIELDS} namespace fields, got {len(fields)}")
+    out = bytearray()
+    for field in fields:
+        if not 1 <= len(field) <= 255:
+            raise RecordError(f"a namespace field has 1-255 octets, got {len(field)}")
+        out.append(len(field))
+        out += field
+    return bytes(out)
+
+
+def split_namespace_octets(raw: bytes, path: str = "$") -> tuple[bytes, ...]:
+    """The five fields of ``moqt_namespace`` octets (:func:`encode_namespace_octets` reversed).
+
+    Raises:
+        RecordError: a field that is empty or truncated, other than five fields, or octets after
+            the fifth.
+    """
+    fields: list[bytes] = []
+    offset = 0
+    while offset < len(raw):
+        if len(fields) == KV_NAMESPACE_FIELDS:
+            raise RecordError("trailing octets after the fifth namespace field", path=path)
+        length = raw[offset]
+        end = offset + 1 + length
+        if length == 0 or end > len(raw):
+            raise RecordError(f"namespace field {len(fields)} is empty or truncated", path=path)
+        fields.append(raw[offset + 1 : end])
+        offset = end
+    if len(fields) != KV_NAMESPACE_FIELDS:
+        raise RecordError(
+            f"expected {KV_NAMESPACE_FIELDS} namespace fields, got {len(fields)}", path=path
+        )
+    return tuple(fields)
+
+
+def format_moqt_namespace(raw: bytes) -> str:
+    """``moqt_namespace`` octets as JSON text: base64url without padding."""
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def read_moqt_namespace(text: object, path: str = "$") -> bytes:
+    """The octets of a ``moqt_namespace`` JSON value, checked to be five fields.
+
+    Raises:
+        RecordError: not a string, padding or a non-base64url character, non-canonical
+            trailing bits, or octets :func:`split_namespace_octets` refuses.
+    """
+    if not isinstance(text, str):
+        raise RecordError(f"expected a base64url string, got {type_name(text)}", path=path)
+    # §4.4: base64url *without padding*; '=' and the '+/' alphabet are rejected.
+    if _BASE64URL.fullmatch(text) is None or len(text) % 4 == 1:
+        raise RecordError("expected base64url without padding", path=path)
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError) as exc:
+        raise RecordError(f"expected base64url without padding: {exc}", path=path) from None
+    # Non-canonical trailing bits would let two strings name one namespace.
+    if format_moqt_namespace(raw) != text:
+        raise RecordError("non-canonical base64url (trailing bits set)", path=path)
+    split_namespace_octets(raw, path)
+    return raw
+
+
+def encode_moqt_namespace(fields: Sequence[bytes]) -> str:
+    """Encode Track Namespace Fields as ``moqt_namespace`` text.
+
+    Raises:
+        RecordError: see :func:`encode_namespace_octets`.
+    """
+    return format_moqt_namespace(encode_namespace_octets(fields))
+
+
+def decode_moqt_namespace(text: str, path: str = "$") -> tuple[bytes, ...]:
+    """Decode ``moqt_namespace`` text into its five Track Namespace Fields.
+
+    Raises:
+        RecordError: see :func:`read_moqt_namespace`.
+    """
+    return split_namespace_octets(read_moqt_namespace(text, path), path)
+
+
+# -- objects: layer ranges, payloads, the in-band layer digest ---------------------------------
 
 
 def layer_range_locations(first: int, last: int) -> tuple[Location, Location]:
@@ -184,6 +332,38 @@ def split_layer_payload(payload: memoryview) -> tuple[memoryview, memoryview]:
         raise ValueError(f"a layer payload of {size} octets does not split into K and V")
     half = size // 2
     return payload[:half], payload[half:]
+
+
+def layer_digest_extension(digest: bytes, *, others: Sequence[KeyValuePair] = ()) -> KeyValuePair:
+    """IMMUTABLE_EXTENSIONS holding the layer digest (plus ``others``), for one object.
+
+    Raises:
+        ValueError: ``digest`` is not 32 octets, or ``others`` holds a digest or a nested
+            IMMUTABLE_EXTENSIONS.
+    """
+    if len(digest) != DIGEST_SIZE:
+        raise ValueError(f"layer digest must be 32 octets, got {len(digest)}")
+    if any(pair[0] == LAYER_DIGEST_TYPE for pair in others):
+        raise ValueError("others may not hold a layer digest")
+    return encode_immutable_extensions([*others, (LAYER_DIGEST_TYPE, bytes(digest))])
+
+
+def find_layer_digest(extensions: Sequence[KeyValuePair]) -> bytes | None:
+    """The layer digest in an object's IMMUTABLE_EXTENSIONS, or None when absent.
+
+    Raises:
+        MalformedTrack: IMMUTABLE_EXTENSIONS cannot be parsed (MOQT §11.2).
+        KeyValueFormattingError: the digest is not 32 octets (MOQT §1.4.2).
+    """
+    for ext_type, value in immutable_extensions(extensions):
+        if ext_type == LAYER_DIGEST_TYPE and isinstance(value, bytes):
+            if len(value) != DIGEST_SIZE:
+                raise KeyValueFormattingError(f"layer digest of {len(value)} octets, not 32")
+            return value
+    return None
+
+
+# -- objects back into layers -----------------------------------------------------------------
 
 
 class LayerAssembler:

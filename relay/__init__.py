@@ -7,7 +7,8 @@ options and the ready-file format. Modules, sans-I/O first:
   malformed-track tombstones, byte budget with LRU by track;
 * :mod:`relay.routing` — longest-prefix namespace routes, SUBSCRIBE_NAMESPACE prefixes,
   subscription filters;
-* :mod:`relay.kv` — KV namespaces, stored replica tracks, their completion and records;
+* :mod:`relay.kv` — cached stored-replica tracks (named by :mod:`kvsp.moqt_mapping`), their
+  completion and records;
 * :mod:`relay.ingest` — upstream objects checked against the cache and cached;
 * :mod:`relay.access` — session tokens and per-request scope rules;
 * :mod:`relay.relay`, :mod:`relay.announce`, :mod:`relay.track`, :mod:`relay.downstream`,

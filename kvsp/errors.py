@@ -1,15 +1,26 @@
-"""The KVSP error tree (DESIGN.md §3, spec §4.4, §6.6–6.8 problem types).
+"""The KVSP error tree: every problem type the library and its services raise (DESIGN.md §2, §3;
+spec §4.4, §6.6–6.9 problem names; RFC 9457).
 
-Every error the library raises on bad input is a :class:`KVSPError`. Each concrete class carries
-the RFC 9457 problem name and HTTP status as class attributes, so exactly one handler at the HTTP
-edge can render any of them as ``application/problem+json``.
+Every error raised on purpose is a :class:`KVSPError`. Each problem type is declared by exactly
+one class, which carries the problem name, HTTP status and title as class attributes; a subclass
+either declares a problem type of its own or refines its base's status, title or data. Exactly
+one handler at the HTTP edge (:mod:`kvsp.web.problems`) renders any of them as
+``application/problem+json``, and the HTTP client (:mod:`kvsp.web.client`) turns a peer's problem
+back into its class. The catalogue lives in this one module, importing nothing but ``typing``, so
+that every layer (core, stores, engines, transfer, services, relay) raises and catches the same
+classes without importing any layer above the core.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:  # annotations only: nothing but typing is imported at run time
+    from collections.abc import Sequence
 
 PROBLEM_PREFIX = "urn:ietf:params:kvsp:problem:"
+MAX_ERROR_BODY = 4096
+"""Octets of a peer's unexpected answer kept on a :class:`RemoteError`."""
 
 
 class KVSPError(Exception):
@@ -49,6 +60,9 @@ class KVSPError(Exception):
         return body
 
 
+# --- input: malformed requests and records (kvsp-bad-request) ----------------------------------
+
+
 class BadRequest(KVSPError):
     """Malformed or invalid input (400 ``kvsp-bad-request``)."""
 
@@ -80,6 +94,24 @@ class PayloadTooLarge(BadRequest):
     title = "Payload too large"
 
 
+class UnsupportedMediaType(KVSPError):
+    """A request body in a media type the resource does not take (415 ``kvsp-bad-request``)."""
+
+    status = 415
+    title = "Unsupported media type"
+
+
+class PreconditionRequired(KVSPError):
+    """A holder got a block PUT without ``If-None-Match: *`` (428 ``kvsp-bad-request``, RFC
+    6585; §6.7)."""
+
+    status = 428
+    title = "Precondition required"
+
+
+# --- auth ---------------------------------------------------------------------------------------
+
+
 class Unauthorized(KVSPError):
     """Missing, unknown or expired credentials (401 ``kvsp-unauthorized``)."""
 
@@ -96,6 +128,9 @@ class Forbidden(KVSPError):
     title = "Forbidden"
 
 
+# --- resources and their state ------------------------------------------------------------------
+
+
 class NotFound(KVSPError):
     """No such resource (404 ``kvsp-not-found``)."""
 
@@ -109,14 +144,6 @@ class LayersUnavailable(NotFound):
 
     problem = "kvsp-layers-unavailable"
     title = "Layers unavailable"
-
-
-class NotAcceptable(KVSPError):
-    """A requested codec the holder cannot produce (406)."""
-
-    problem = "kvsp-incompatible"
-    status = 406
-    title = "Not acceptable"
 
 
 class Conflict(KVSPError):
@@ -145,6 +172,35 @@ class StaleEpoch(Conflict):
     title = "Stale epoch"
 
 
+# --- compatibility and integrity ----------------------------------------------------------------
+
+
+class Incompatible(KVSPError):
+    """Caches or blocks whose Compatibility IDs or geometry do not match (``kvsp-incompatible``)."""
+
+    problem = "kvsp-incompatible"
+    status = 422
+    title = "Incompatible"
+
+
+class NotAcceptable(Incompatible):
+    """A requested codec the holder cannot produce (406 ``kvsp-incompatible``, §6.7)."""
+
+    status = 406
+    title = "Not acceptable"
+
+
+class DigestMismatch(KVSPError):
+    """Bytes whose digest differs from the one they must have (``kvsp-digest-mismatch``)."""
+
+    problem = "kvsp-digest-mismatch"
+    status = 422
+    title = "Digest mismatch"
+
+
+# --- capacity and availability ------------------------------------------------------------------
+
+
 class NotActive(KVSPError):
     """The instance is not active and takes no new work (503 ``kvsp-not-active``, §6.3)."""
 
@@ -161,17 +217,172 @@ class LeaseQuota(KVSPError):
     title = "Lease quota exceeded"
 
 
-class DigestMismatch(KVSPError):
-    """Bytes whose digest differs from the one they must have (``kvsp-digest-mismatch``)."""
-
-    problem = "kvsp-digest-mismatch"
-    status = 422
-    title = "Digest mismatch"
+# --- storage ------------------------------------------------------------------------------------
 
 
-class Incompatible(KVSPError):
-    """Caches or blocks whose Compatibility IDs or geometry do not match (``kvsp-incompatible``)."""
+class InsufficientStorage(KVSPError):
+    """No tier of a block store can take a block without evicting a leased one, raised by the
+    holder's store and by an engine's cache (507 ``kvsp-insufficient-storage``)."""
 
-    problem = "kvsp-incompatible"
-    status = 422
-    title = "Incompatible"
+    problem = "kvsp-insufficient-storage"
+    status = 507
+    title = "Insufficient storage"
+
+
+class BlockLeased(Conflict):
+    """A block store refused an eviction because a lease covers the block (409, §6.6: MUST NOT
+    evict)."""
+
+
+class StoreUnavailable(KVSPError):
+    """A shared store (Redis) behind the Index Service or the PC is unreachable or failed (503
+    ``kvsp-store-unavailable``): the service's trouble, never the client's."""
+
+    problem = "kvsp-store-unavailable"
+    status = 503
+    title = "Store unavailable"
+
+
+# --- peers and transfer -------------------------------------------------------------------------
+
+
+class TransportError(KVSPError):
+    """A client could not reach a peer or the exchange broke off below HTTP (502
+    ``kvsp-unreachable``)."""
+
+    problem = "kvsp-unreachable"
+    status = 502
+    title = "Peer unreachable"
+
+
+class UpstreamError(KVSPError):
+    """A peer answered with an error or with something that does not fit, so the work asked
+    of this service failed (502 ``kvsp-upstream-error``); the PC raises it when an instance
+    refuses a state change it forwards."""
+
+    problem = "kvsp-upstream-error"
+    status = 502
+    title = "Unexpected answer from a peer"
+
+
+class RemoteError(UpstreamError):
+    """An HTTP client got an answer it cannot map to a KVSP error or result (502
+    ``kvsp-upstream-error``).
+
+    ``remote_status`` is the peer's HTTP status, ``remote_type`` its problem type if it sent
+    one, and ``body`` the first :data:`MAX_ERROR_BODY` octets of its answer.
+    """
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        remote_status: int,
+        body: bytes = b"",
+        remote_type: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(detail, path=path)
+        self.remote_status = remote_status
+        self.body = body[:MAX_ERROR_BODY]
+        self.remote_type = remote_type
+
+
+class UnsupportedHolder(Incompatible):
+    """A block client was handed a replica it cannot reach: its holder URI has a scheme the
+    client does not speak (422 ``kvsp-incompatible``)."""
+
+
+# --- control: scale-up and resharding (§6.4, §6.9) ----------------------------------------------
+
+
+class ScaleUpFailed(UpstreamError):
+    """The PC's scale-up hook failed or answered something that is not an instance URI (502
+    ``kvsp-upstream-error``)."""
+
+    title = "Scale-up failed"
+
+
+class _JsonMember(Protocol):
+    """Anything that renders itself as one JSON object (a member of a problem's extension)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Render as JSON."""
+        ...
+
+
+class ReshardAborted(KVSPError):
+    """The PC aborted a shard-map version change because a member failed its plan (502
+    ``kvsp-reshard-aborted``, §6.9); version ``version`` stays authoritative and ``failed``
+    names each member that failed."""
+
+    problem = "kvsp-reshard-aborted"
+    status = 502
+    title = "Reshard aborted"
+
+    def __init__(self, detail: str, *, version: int, failed: Sequence[_JsonMember]) -> None:
+        super().__init__(detail)
+        self.version = version
+        self.failed = tuple(failed)
+
+    def to_problem(self, instance: str | None = None) -> dict[str, Any]:
+        """The problem details, with ``version`` and ``failed``."""
+        body = super().to_problem(instance)
+        body["version"] = self.version
+        body["failed"] = [f.to_json() for f in self.failed]
+        return body
+
+
+class ReshardTimedOut(ReshardAborted):
+    """The PC aborted a version change because a member did not acknowledge within
+    ``deadline_ms`` (504 ``kvsp-reshard-aborted``)."""
+
+    status = 504
+    title = "Reshard timed out"
+
+
+class RangeFetchFailed(UpstreamError):
+    """An instance could not load a range of its reshard plan from the range's source (502
+    ``kvsp-upstream-error``, §6.9)."""
+
+    title = "Range fetch failed"
+
+
+class RangeFetchTimedOut(RangeFetchFailed):
+    """An instance did not load all the ranges of its plan within ``deadline_ms`` (504)."""
+
+    status = 504
+    title = "Range fetch timed out"
+
+
+# --- sessions (§6.8) ----------------------------------------------------------------------------
+
+
+class SessionFailed(KVSPError):
+    """A front end cannot go on with a session: the PC marked it failed after tokens were
+    delivered, or it could not be reattached in time (502 ``kvsp-session-failed``)."""
+
+    problem = "kvsp-session-failed"
+    status = 502
+    title = "Session failed"
+
+
+# --- tools: simulator and local cluster ---------------------------------------------------------
+
+
+class SimError(KVSPError):
+    """The simulator cannot go on: a replica store that suspends, an unplaceable request (500
+    ``kvsp-sim``)."""
+
+    problem = "kvsp-sim"
+    status = 500
+    title = "Simulation error"
+
+
+class ClusterError(KVSPError):
+    """The local demo cluster could not be started or stopped working (500
+    ``kvsp-cluster-failed``; never served over HTTP)."""
+
+    problem = "kvsp-cluster-failed"
+    status = 500
+    title = "The local cluster failed"

@@ -222,9 +222,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from kvsp.demo.console import Console
-    from kvsp.demo.procs import ClusterError
     from kvsp.demo.state import default_state
     from kvsp.demo.status import print_status, target_from_options, target_from_state
+    from kvsp.errors import ClusterError
 
     if (args.pc is None) != (args.token_file is None):
         raise ClusterError("--pc and --token-file go together")
@@ -240,7 +240,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     script = Path(__file__).resolve().parents[2] / "bench" / "report.py"
     if not script.is_file():
-        from kvsp.demo.procs import ClusterError
+        from kvsp.errors import ClusterError
 
         raise ClusterError(f"{script} not found: `kvsp bench` runs from a source checkout")
     argv = [sys.executable, str(script)]

@@ -42,9 +42,9 @@ import httpx
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.demo.console import Console
-from kvsp.demo.procs import ClusterError, ProcessGroup, ServiceProcess, reserve_port
+from kvsp.demo.procs import ProcessGroup, ServiceProcess, reserve_port
 from kvsp.demo.state import Endpoints, StateFolder, default_state, write_private
-from kvsp.errors import KVSPError
+from kvsp.errors import ClusterError, KVSPError
 from kvsp.ids import CompatId, ScopeId
 from kvsp.keys import scope_id
 from kvsp.web.auth import mint_token, principal_entry, write_principals

@@ -23,21 +23,12 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar
 
-from kvsp.errors import KVSPError
+from kvsp.errors import ClusterError
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.05
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
-
-
-class ClusterError(KVSPError):
-    """The local cluster could not be started or stopped working (never served over HTTP)."""
-
-    problem: ClassVar[str] = "kvsp-cluster-failed"
-    status: ClassVar[int] = 500
-    title: ClassVar[str] = "The local cluster failed"
 
 
 def reserve_port(kind: int = socket.SOCK_STREAM, host: str = "127.0.0.1") -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from kvsp.demo.procs import ClusterError
+from kvsp.errors import ClusterError
 
 
 def default_state() -> Path:

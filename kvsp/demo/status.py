@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 
 from kvsp.demo.console import Console
-from kvsp.demo.procs import ClusterError
 from kvsp.demo.state import Endpoints, StateFolder
+from kvsp.errors import ClusterError
 
 
 @dataclass(frozen=True, slots=True)

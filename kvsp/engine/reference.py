@@ -37,9 +37,8 @@ from kvsp.container import Container, Geometry
 from kvsp.engine import api
 from kvsp.engine.api import GREEDY, ComputedBlock, EngineStats, Sampling
 from kvsp.engine.worker import Decoding, EngineWorker
-from kvsp.errors import BadRequest, Conflict
+from kvsp.errors import BadRequest, Conflict, InsufficientStorage
 from kvsp.ids import BlockKey
-from kvsp.stores.blocks import InsufficientStorage
 
 if TYPE_CHECKING:
     import torch

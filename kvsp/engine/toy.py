@@ -42,10 +42,9 @@ from kvsp.container import Container, Geometry, encode_container
 from kvsp.engine import api
 from kvsp.engine.api import GREEDY, ComputedBlock, EngineStats, Sampling, step_draw
 from kvsp.engine.worker import Decoding, EngineWorker, Outcome
-from kvsp.errors import BadRequest, Incompatible, LayersUnavailable
+from kvsp.errors import BadRequest, Incompatible, InsufficientStorage, LayersUnavailable
 from kvsp.ids import BlockKey
 from kvsp.registries import Codec
-from kvsp.stores.blocks import InsufficientStorage
 
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 Int8Array = np.ndarray[Any, np.dtype[np.int8]]

@@ -14,7 +14,7 @@ yields one gap-free, duplicate-free stream of :class:`Token`:
   reports an instance that serves it;
 * a session that failed before its first token (its instance died before the first
   checkpoint, so the PC had nothing to resume) is started over as a new session, at most
-  ``restarts`` times; one that failed later raises :class:`SessionFailed`.
+  ``restarts`` times; one that failed later raises :class:`~kvsp.errors.SessionFailed`.
 
 The stream of a frozen instance does not break: it stalls. Only the PC knows whether the
 session moved, so a stall is answered by asking it, and the old stream is dropped once the PC
@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from kvsp.compat import compat_id
-from kvsp.errors import BadRequest, KVSPError, NotActive, NotFound
+from kvsp.errors import BadRequest, NotActive, NotFound, SessionFailed, TransportError
 from kvsp.ids import CompatId, ScopeId, parse_compat_id, parse_scope_id
 from kvsp.keys import block_keys
 from kvsp.keys import scope_id as scope_id_of
@@ -46,19 +46,10 @@ from kvsp.records import PlaceRequest
 from kvsp.services.index.client import IndexClient
 from kvsp.services.pc.client import PCClient, SessionView
 from kvsp.stores.descriptors import read_descriptor_file
-from kvsp.web.client import TransportError, problem_error
+from kvsp.web.client import problem_error
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
 
 NDJSON = "application/x-ndjson"
-
-
-class SessionFailed(KVSPError):
-    """The session cannot go on: the PC marked it failed after tokens were delivered, or it
-    could not be reattached in time (502 ``kvsp-session-failed``)."""
-
-    problem = "kvsp-session-failed"
-    status = 502
-    title = "Session failed"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -46,10 +46,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvsp.errors import SimError
 from kvsp.placement import PlacementEstimate, ServiceTimeEstimator, choose_instance
 from kvsp.records import InstanceStatusRecord, ReplicaRecord
 from kvsp.sim.cluster import Cluster, Instance, Job
-from kvsp.sim.replicas import SimError
 from kvsp.sim.trace import SimRequest
 
 

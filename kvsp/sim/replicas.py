@@ -14,7 +14,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
-from kvsp.errors import KVSPError
+from kvsp.errors import SimError
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.index import IndexService, ReplicaPath, holder_id_of
 from kvsp.keys import scope_id
@@ -30,14 +30,6 @@ SCOPE_KEY = b"kvsp-sim scope key: 32+ octets, fixed for replay"
 CODEC_RAW = 1
 KV_DTYPES = {1: "fp8_e4m3", 2: "bf16", 4: "fp32"}
 """The element type the descriptor names for each ``dtype_bytes``."""
-
-
-class SimError(KVSPError):
-    """The simulator cannot go on (a store that suspends, an unplaceable request)."""
-
-    problem = "kvsp-sim"
-    status = 500
-    title = "Simulation error"
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

@@ -42,7 +42,14 @@ from kvsp.container import (
     layer_digest,
     replica_digest,
 )
-from kvsp.errors import Conflict, Incompatible, KVSPError, RecordError
+from kvsp.errors import (
+    BlockLeased,
+    Conflict,
+    Incompatible,
+    InsufficientStorage,
+    KVSPError,
+    RecordError,
+)
 from kvsp.fields import Fields
 from kvsp.ids import BlockKey, CompatId, ScopeId, format_digest, parse_hex16, parse_hex32
 from kvsp.records_common import hex_list, read_hex32_list
@@ -53,18 +60,6 @@ TIER_ORDER: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 are demoted to the next one."""
 DATA_SUFFIX = ".kvb"
 SIDECAR_SUFFIX = ".json"
-
-
-class InsufficientStorage(KVSPError):
-    """No tier can take a block without evicting a leased one (507 Insufficient Storage)."""
-
-    problem = "kvsp-insufficient-storage"
-    status = 507
-    title = "Insufficient storage"
-
-
-class BlockLeased(Conflict):
-    """An eviction refused because a lease covers the block (§6.6: MUST NOT evict)."""
 
 
 class BlockRef(NamedTuple):

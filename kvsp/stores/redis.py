@@ -45,11 +45,10 @@ import redis
 import redis.asyncio as aioredis
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
-from kvsp.errors import BadRequest, RecordError
+from kvsp.errors import BadRequest, RecordError, StoreUnavailable
 from kvsp.ids import CompatId
 from kvsp.index import StoredReplica, holder_id_of
 from kvsp.records import InstanceStatusRecord, ReplicaRecord, dumps, loads
-from kvsp.stores.base import StoreUnavailable
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.redis_lua import SCRIPTS
 from kvsp.stores.redis_records import (
@@ -109,7 +108,7 @@ class RedisStore:
 
     ``url`` is a redis-py URL (``redis://host:port/db``); keys live under ``prefix:``;
     ``cache_records`` bounds the :class:`RecordCache` of decoded records (0: none).
-    Every method raises :class:`~kvsp.stores.base.StoreUnavailable` when Redis fails.
+    Every method raises :class:`~kvsp.errors.StoreUnavailable` when Redis fails.
     """
 
     def __init__(

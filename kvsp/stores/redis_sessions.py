@@ -38,7 +38,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from kvsp.errors import Conflict, NotFound
+from kvsp.errors import Conflict, NotFound, StoreUnavailable
 from kvsp.index import holder_id_of
 from kvsp.records_session import SessionCheckpoint
 from kvsp.sessions import (
@@ -49,7 +49,6 @@ from kvsp.sessions import (
     advance_epoch,
     settle,
 )
-from kvsp.stores.base import StoreUnavailable
 from kvsp.stores.redis import DEFAULT_PREFIX, parse_store_url
 from kvsp.stores.sessions import LIVE
 
@@ -111,7 +110,7 @@ return redis.call('HMGET', KEYS[1], unpack(ids))
 
 class RedisScripts:
     """A loop-bound asyncio Redis client and the Lua scripts a store runs on it, with redis-py's
-    errors turned into :class:`~kvsp.stores.base.StoreUnavailable` (shared by the PC stores)."""
+    errors turned into :class:`~kvsp.errors.StoreUnavailable` (shared by the PC stores)."""
 
     def __init__(self, url: str, scripts: dict[str, str]) -> None:
         self.url = url
@@ -181,7 +180,7 @@ class RedisSessionStore:
     """A :class:`~kvsp.stores.sessions.SessionStore` in Redis, shared by any number of PC
     processes; see the module docstring for the keys and how each write is atomic.
 
-    Every method raises :class:`~kvsp.stores.base.StoreUnavailable` when Redis fails.
+    Every method raises :class:`~kvsp.errors.StoreUnavailable` when Redis fails.
     """
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:

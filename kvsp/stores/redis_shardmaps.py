@@ -64,7 +64,7 @@ def _decode(raw: Any) -> ShardMap:
 
 class RedisShardMaps:
     """A :class:`~kvsp.stores.shardmaps.ShardMapStore` in Redis, shared by PC processes; see the
-    module docstring. Every method raises :class:`~kvsp.stores.base.StoreUnavailable` when Redis
+    module docstring. Every method raises :class:`~kvsp.errors.StoreUnavailable` when Redis
     fails."""
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:

@@ -30,7 +30,14 @@ import httpx
 from kvsp import sha256x2
 from kvsp.container import Geometry, header_fields
 from kvsp.container_reader import LayerSink
-from kvsp.errors import BadRequest, DigestMismatch, Incompatible, KVSPError
+from kvsp.errors import (
+    BadRequest,
+    DigestMismatch,
+    Incompatible,
+    KVSPError,
+    RemoteError,
+    UnsupportedHolder,
+)
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord, loads
 from kvsp.transfer.buffers import BufferPool
@@ -52,7 +59,7 @@ from kvsp.transfer.verify import (
     plan_block,
 )
 from kvsp.transfer.verify_slices import SLICE_STEP, SliceBody
-from kvsp.web.client import RemoteError, decode_answer, problem_error
+from kvsp.web.client import decode_answer, problem_error
 from kvsp.web.http import parse_repr_digest, repr_digest
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
 
@@ -64,10 +71,6 @@ MAX_ERROR_BODY = 64 * 1024
 MAX_JSON_BODY = 1 << 20
 _LEASE_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 _SLICED = ("slices", "inline", "paired")  # the placements SliceBody serves
-
-
-class UnsupportedHolder(Incompatible):
-    """A replica this client cannot reach: its holder is not an ``http``/``https`` URI."""
 
 
 # -- per-source outcomes -------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeAlias, cast
 from urllib.parse import urlsplit
 
-from kvsp.web.client import TransportError
+from kvsp.errors import TransportError
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 

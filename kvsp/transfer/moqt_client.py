@@ -22,8 +22,15 @@ from typing import Self
 
 from kvsp.container import Geometry, Layer, mismatch, replica_digest
 from kvsp.container_reader import LayerSink
-from kvsp.errors import DigestMismatch, LayersUnavailable
+from kvsp.errors import DigestMismatch, LayersUnavailable, TransportError
 from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.moqt_mapping import (
+    LayerAssembler,
+    kv_namespace,
+    layer_range_locations,
+    live_track_name,
+    stored_track_name,
+)
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
 from kvsp.transfer.moqt_publisher import REFUSED_REQUESTS
@@ -42,7 +49,6 @@ from kvsp.transfer.moqt_transfer import (
     verified_block,
 )
 from kvsp.transfer.verify import VerifiedBlock
-from kvsp.web.client import TransportError
 from moqt.asyncio import (
     FetchResponse,
     MOQTConnection,
@@ -53,13 +59,6 @@ from moqt.asyncio import (
 )
 from moqt.backend import TransportConfig, get_backend
 from moqt.errors import RequestErrorCode
-from moqt.namespace import (
-    LayerAssembler,
-    kv_namespace,
-    layer_range_locations,
-    live_track_name,
-    stored_track_name,
-)
 from moqt.session_events import FetchReceived, RequestUpdateReceived, SubscribeReceived
 from moqt.session_state import LocalProtocolError
 from moqt.wire import TrackNamespace

@@ -28,23 +28,23 @@ from typing import Any, Protocol
 from kvsp.container import Buffer, Container, Geometry, Layer, decode_container, replica_digest
 from kvsp.errors import Incompatible, InvalidIdentifier
 from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.moqt_mapping import (
+    KV_GROUP,
+    fetch_layer_range,
+    kv_namespace,
+    kv_scope_prefix,
+    layer_digest_extension,
+    live_track_name,
+    parse_kv_namespace,
+    parse_stored_track_name,
+    stored_track_name,
+)
 from kvsp.registries import Codec
 from moqt.asyncio import MOQTConnection, MOQTServer, SessionClosedError, serve
 from moqt.backend import TransportConfig
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import MessageParameters, StandaloneFetch
 from moqt.messages_params import ExtensionType
-from moqt.namespace import (
-    KV_GROUP,
-    fetch_layer_range,
-    kv_namespace,
-    kv_scope_prefix,
-    live_track_name,
-    parse_kv_namespace,
-    parse_stored_track_name,
-    stored_track_name,
-)
-from moqt.objects import layer_digest_extension
 from moqt.session_events import (
     FetchCancelReceived,
     FetchReceived,

@@ -5,7 +5,7 @@ objects become verified layers (DESIGN.md §4; spec §4.4 ``moqt_namespace``, §
 (:func:`parse_moqt_uri`), its ``moqt_namespace`` naming its own block
 (:func:`record_namespace`), codec raw, and the layers it lets a client verify.
 :class:`ObjectFeed` turns a track's data events into layers through a
-:class:`~moqt.namespace.LayerAssembler`; :func:`verified_block` and :func:`check_live` rebuild
+:class:`~kvsp.moqt_mapping.LayerAssembler`; :func:`verified_block` and :func:`check_live` rebuild
 and check the whole block once every object has arrived, since the objects carry no container
 header. :class:`BlockStream` hands the layers out one by one as each is verified.
 These are the parts of a transfer that hold no session; the sessions, and the FETCH and
@@ -32,16 +32,15 @@ from kvsp.errors import (
     LayersUnavailable,
     NotFound,
     RecordError,
+    TransportError,
+    UnsupportedHolder,
 )
+from kvsp.moqt_mapping import LayerAssembler, find_layer_digest, parse_kv_namespace
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
-from kvsp.transfer.block_client import UnsupportedHolder
 from kvsp.transfer.verify import VerifiedBlock, layer_range
-from kvsp.web.client import TransportError
 from moqt.asyncio import RequestRejected
 from moqt.errors import ObjectStatus, RequestErrorCode
-from moqt.namespace import LayerAssembler, parse_kv_namespace
-from moqt.objects import find_layer_digest
 from moqt.session_events import (
     DataStreamReset,
     MalformedTrackDetected,

@@ -34,6 +34,7 @@ from pathlib import Path
 from kvsp.errors import KVSPError
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.index import ReplicaIndex
+from kvsp.moqt_mapping import KV_GROUP, kv_scope_prefix
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
 from kvsp.stores.blocks import BlockRef, BlockStore
@@ -42,7 +43,6 @@ from kvsp.transfer.moqt_publisher import BlockSource, MemoryBlocks, MoqtBlockPub
 from kvsp.transfer.moqt_transfer import parse_moqt_uri
 from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError, connect
 from moqt.backend import TransportConfig, get_backend
-from moqt.namespace import KV_GROUP, kv_scope_prefix
 from moqt.wire import Location
 
 log = logging.getLogger(__name__)

@@ -8,10 +8,12 @@ with ``Authorization: Bearer``, and turns every failure into a :class:`~kvsp.err
   status (:func:`problem_error`), so ``kvsp-lease-quota`` raises :class:`~kvsp.errors.LeaseQuota`
   on the client as it did on the server;
 * any other non-2xx answer, and a 2xx answer whose body is not the JSON asked for, becomes a
-  :class:`RemoteError` (502 ``kvsp-upstream-error``, carrying the peer's status and body);
+  :class:`~kvsp.errors.RemoteError` (502 ``kvsp-upstream-error``, carrying the peer's status
+  and body);
 * an httpx transport failure (connect, timeout, reset, protocol) becomes a
-  :class:`TransportError` (502 ``kvsp-unreachable``) raised ``from`` the httpx exception, as
-  does the ``AttributeError`` httpcore raises when the peer dies just after accepting.
+  :class:`~kvsp.errors.TransportError` (502 ``kvsp-unreachable``) raised ``from`` the httpx
+  exception, as does the ``AttributeError`` httpcore raises when the peer dies just after
+  accepting.
 
 The two 502 problem names are ours (DESIGN §3 lists the others): a service that lets either
 propagate answers its own client "Bad gateway", which is what happened.
@@ -26,58 +28,20 @@ from typing import Any, ClassVar, Self, TypeVar
 import httpx
 
 from kvsp import errors
-from kvsp.errors import KVSPError, RecordError
+from kvsp.errors import KVSPError, RecordError, RemoteError, TransportError
 from kvsp.records import loads
-from kvsp.web.http import UnsupportedMediaType
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
 
 DEFAULT_TIMEOUT_S = 30.0
 """Seconds for any one read, write or pool wait; connecting gets at most 5 s."""
-MAX_ERROR_BODY = 4096
-"""Octets of an unexpected answer kept on a :class:`RemoteError`."""
 
 T = TypeVar("T")
-
-
-class TransportError(KVSPError):
-    """The peer could not be reached or the exchange broke off (502 ``kvsp-unreachable``)."""
-
-    problem = "kvsp-unreachable"
-    status = 502
-    title = "Peer unreachable"
-
-
-class RemoteError(KVSPError):
-    """The peer answered something this client cannot map to a KVSP error or result
-    (502 ``kvsp-upstream-error``).
-
-    ``remote_status`` is the peer's HTTP status, ``remote_type`` its problem type if it sent
-    one, and ``body`` the first :data:`MAX_ERROR_BODY` octets of its answer.
-    """
-
-    problem = "kvsp-upstream-error"
-    status = 502
-    title = "Unexpected answer from a peer"
-
-    def __init__(
-        self,
-        detail: str,
-        *,
-        remote_status: int,
-        body: bytes = b"",
-        remote_type: str | None = None,
-        path: str | None = None,
-    ) -> None:
-        super().__init__(detail, path=path)
-        self.remote_status = remote_status
-        self.body = body[:MAX_ERROR_BODY]
-        self.remote_type = remote_type
 
 
 _CLASSES: tuple[type[KVSPError], ...] = (
     errors.BadRequest,
     errors.PayloadTooLarge,
-    UnsupportedMediaType,
+    errors.UnsupportedMediaType,
     errors.Unauthorized,
     errors.Forbidden,
     errors.NotFound,
@@ -90,7 +54,7 @@ _CLASSES: tuple[type[KVSPError], ...] = (
     errors.LeaseQuota,
     errors.DigestMismatch,
     errors.Incompatible,
-    TransportError,
+    errors.TransportError,
 )
 # First class listed wins, so the base classes (BadRequest, Conflict) stand for their subclasses
 # that share a problem type and status (RecordError, IllegalTransition).

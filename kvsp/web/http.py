@@ -20,7 +20,7 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
 
-from kvsp.errors import BadRequest, KVSPError, PayloadTooLarge
+from kvsp.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 from kvsp.ids import check_length
 from kvsp.web.logs import RequestContextMiddleware
 from kvsp.web.metrics import install_metrics
@@ -30,14 +30,6 @@ JSON_MEDIA_TYPES = frozenset({"application/kvsp+json", "application/json"})
 MAX_JSON_DEPTH = 64
 UINT32_MAX = 2**32 - 1
 UINT16_MAX = 2**16 - 1
-
-
-class UnsupportedMediaType(KVSPError):
-    """A request body in a media type the resource does not take (415)."""
-
-    problem = "kvsp-bad-request"
-    status = 415
-    title = "Unsupported media type"
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvsp.errors import BadRequest, KVSPError, NotFound
+from kvsp.errors import BadRequest, NotFound, PreconditionRequired, UnsupportedMediaType
 from kvsp.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.index import ReplicaIndex
 from kvsp.leases import LeaseQuota
@@ -45,7 +45,6 @@ from kvsp.web.auth import Principals, principal_of
 from kvsp.web.cliargs import load_principals, parse_size, positive_int, positive_size, serve_config
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import (
-    UnsupportedMediaType,
     install_operations,
     media_type,
     parse_codec_param,
@@ -65,13 +64,6 @@ PUT_MEDIA_TYPES = frozenset({BLOCK_MEDIA_TYPE, "application/octet-stream"})
 JSON_LIMIT = 1 << 20
 """Largest lease body: a million octets holds thousands of block keys."""
 _LEASE_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
-
-
-class PreconditionRequired(KVSPError):
-    """A block PUT without ``If-None-Match: *`` (428, RFC 6585; §6.7)."""
-
-    status = 428
-    title = "Precondition required"
 
 
 def _block_ref(request: Request) -> BlockRef:

@@ -33,8 +33,10 @@ from typing import ParamSpec, Protocol, TypeVar
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.container import Geometry, decode_container, header_size
 from kvsp.errors import (
+    BlockLeased,
     DigestMismatch,
     Incompatible,
+    InsufficientStorage,
     KVSPError,
     NotAcceptable,
     NotFound,
@@ -46,12 +48,10 @@ from kvsp.leases import Lease, LeaseQuota, LeaseTable, random_lease_id
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord, Residency
 from kvsp.registries import Codec, Tier
 from kvsp.stores.blocks import (
-    BlockLeased,
     BlockMeta,
     BlockRef,
     BlockStore,
     DeviceBackend,
-    InsufficientStorage,
     StoreConfig,
     StoredBlock,
     Victim,

@@ -3,7 +3,7 @@
 Every method maps to one request of :mod:`kvsp.services.index.app`; errors arrive as the
 :class:`~kvsp.errors.KVSPError` the server raised (see :mod:`kvsp.web.client`), and
 answers are checked as records, so a peer's malformed answer raises
-:class:`~kvsp.web.client.RemoteError`.
+:class:`~kvsp.errors.RemoteError`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
-from kvsp.errors import KVSPError, RecordError
+from kvsp.errors import KVSPError, RecordError, RemoteError
 from kvsp.fields import Fields
 from kvsp.ids import CompatId, parse_compat_id, uri_id
 from kvsp.records import (
@@ -22,7 +22,7 @@ from kvsp.records import (
     ReplicaRecord,
     StateAnswer,
 )
-from kvsp.web.client import BaseClient, RemoteError, decode_answer, error_from_problem
+from kvsp.web.client import BaseClient, decode_answer, error_from_problem
 
 
 def replica_path(compat_id: bytes, scope_id: bytes, key: bytes, holder: str) -> str:

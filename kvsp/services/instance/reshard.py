@@ -75,13 +75,16 @@ from kvsp.errors import (
     Incompatible,
     KVSPError,
     NotFound,
+    RangeFetchFailed,
+    RangeFetchTimedOut,
+    TransportError,
 )
 from kvsp.records_common import TokenRange, read_name
 from kvsp.records_shard import ReshardAbort, ReshardCommit, ReshardPlan, parse_reshard_message
 from kvsp.reshard import PendingState, check_plan, move_pending
 from kvsp.transfer.bulk import Buffer, BulkClient, BytesBody
 from kvsp.web.auth import principal_of, require_role
-from kvsp.web.client import TransportError, problem_error
+from kvsp.web.client import problem_error
 from kvsp.web.http import parse_repr_digest, read_body, read_json, repr_digest
 from kvsp.web.problems import PROBLEM_JSON, kvsp_json
 from kvsp.web.responses import PartsResponse
@@ -95,21 +98,6 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 """Most octets one range GET asks for; longer ranges are fetched in several."""
 FETCH_TIMEOUT_S = 60.0
 LOG_ENTRIES = 4096
-
-
-class RangeFetchFailed(KVSPError):
-    """A range of a plan could not be loaded from its source (502 ``kvsp-upstream-error``)."""
-
-    problem = "kvsp-upstream-error"
-    status = 502
-    title = "Range fetch failed"
-
-
-class RangeFetchTimedOut(RangeFetchFailed):
-    """The plan's ranges were not all loaded within ``deadline_ms`` (504)."""
-
-    status = 504
-    title = "Range fetch timed out"
 
 
 @dataclass(slots=True, eq=False)

@@ -50,6 +50,7 @@ from kvsp.errors import (
     NotActive,
     PreconditionFailed,
     StaleEpoch,
+    UnsupportedHolder,
 )
 from kvsp.ids import BlockKey, ScopeId
 from kvsp.keys import block_keys
@@ -68,7 +69,7 @@ from kvsp.records import (
 from kvsp.registries import InstanceState
 from kvsp.services.holder import Holder
 from kvsp.stores.blocks import BlockRef
-from kvsp.transfer.block_client import BlockClient, UnsupportedHolder, source_base
+from kvsp.transfer.block_client import BlockClient, source_base
 from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.auth import Principal
 from kvsp.web.clock import Clock

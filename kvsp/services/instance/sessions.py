@@ -58,6 +58,7 @@ from kvsp.errors import (
     KVSPError,
     NotFound,
     StaleEpoch,
+    UnsupportedHolder,
 )
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.keys import BlockKeyChain
@@ -66,7 +67,7 @@ from kvsp.records_session import Sampler as SamplerRecord
 from kvsp.services.instance.service import InstanceAgent, Session
 from kvsp.services.pc.client import SessionView
 from kvsp.sessions import checkpoint_due, fed_tokens, plan_resume
-from kvsp.transfer.block_client import UnsupportedHolder, source_base
+from kvsp.transfer.block_client import source_base
 from kvsp.web.events import EventLog
 
 _log = logging.getLogger("kvsp.instance")

@@ -47,7 +47,15 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from kvsp.compat import CompatibilityDescriptor
-from kvsp.errors import BadRequest, Forbidden, KVSPError, NotFound, RecordError, StaleEpoch
+from kvsp.errors import (
+    BadRequest,
+    Forbidden,
+    NotFound,
+    RecordError,
+    RemoteError,
+    ScaleUpFailed,
+    StaleEpoch,
+)
 from kvsp.fields import Fields
 from kvsp.ids import parse_hex16
 from kvsp.index import holder_id_of
@@ -81,7 +89,7 @@ from kvsp.stores.shardmaps import ShardMapStore
 from kvsp.web import auth
 from kvsp.web.auth import Principals, principal_of
 from kvsp.web.cliargs import load_principals, positive_int, serve_config
-from kvsp.web.client import BaseClient, RemoteError
+from kvsp.web.client import BaseClient
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import install_operations, read_json
 from kvsp.web.metrics import observe_lookup
@@ -313,14 +321,6 @@ class RemoteIndex:
             return None
         self._descriptors.add(found, persist=False)
         return found
-
-
-class ScaleUpFailed(KVSPError):
-    """A scale-up hook failed or answered something that is not an instance URI (502)."""
-
-    problem = "kvsp-upstream-error"
-    status = 502
-    title = "Scale-up failed"
 
 
 def _instance_uri(text: str, source: str) -> str:

@@ -54,7 +54,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from kvsp.errors import Conflict, KVSPError, NotFound
+from kvsp.errors import (
+    Conflict,
+    KVSPError,
+    NotFound,
+    ReshardAborted,
+    ReshardTimedOut,
+    TransportError,
+)
 from kvsp.records_common import read_name
 from kvsp.records_shard import (
     ReshardAbort,
@@ -66,7 +73,7 @@ from kvsp.records_shard import (
 from kvsp.reshard import MAX_DEADLINE_MS, VersionRequest, plan_reshard, read_new_map
 from kvsp.stores.shardmaps import BeginOutcome, MemoryShardMaps, ShardMapStore
 from kvsp.web.auth import principal_of, require_role
-from kvsp.web.client import BaseClient, TransportError
+from kvsp.web.client import BaseClient
 from kvsp.web.clock import Clock
 from kvsp.web.http import read_json
 from kvsp.web.problems import kvsp_json
@@ -107,35 +114,6 @@ class MemberFailure:
         if self.status is not None:
             body["status"] = self.status
         return body
-
-
-class ReshardAborted(KVSPError):
-    """A version change aborted because a member failed its plan (502
-    ``kvsp-reshard-aborted``); version ``version`` stays authoritative."""
-
-    problem = "kvsp-reshard-aborted"
-    status = 502
-    title = "Reshard aborted"
-
-    def __init__(self, detail: str, *, version: int, failed: Sequence[MemberFailure]) -> None:
-        super().__init__(detail)
-        self.version = version
-        self.failed = tuple(failed)
-
-    def to_problem(self, instance: str | None = None) -> dict[str, Any]:
-        """The problem details, with ``version`` and ``failed``."""
-        body = super().to_problem(instance)
-        body["version"] = self.version
-        body["failed"] = [f.to_json() for f in self.failed]
-        return body
-
-
-class ReshardTimedOut(ReshardAborted):
-    """A version change aborted because a member did not acknowledge within ``deadline_ms``
-    (504 ``kvsp-reshard-aborted``)."""
-
-    status = 504
-    title = "Reshard timed out"
 
 
 class ReshardPeers(Protocol):
@@ -406,10 +384,8 @@ def reshard_routes(coordinator: ShardCoordinator) -> list[BaseRoute]:
 __all__ = [
     "HttpReshardPeers",
     "MemberFailure",
-    "ReshardAborted",
     "ReshardConfig",
     "ReshardPeers",
-    "ReshardTimedOut",
     "ShardCoordinator",
     "coordinator_for",
     "reshard_routes",

@@ -44,7 +44,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvsp.compat import CompatibilityDescriptor
-from kvsp.errors import BadRequest, Conflict, Incompatible, KVSPError, NotActive, NotFound
+from kvsp.errors import (
+    BadRequest,
+    Conflict,
+    Incompatible,
+    KVSPError,
+    NotActive,
+    NotFound,
+    UpstreamError,
+)
 from kvsp.index import holder_id_of
 from kvsp.lifecycle import InstanceRegistry, check_transition
 from kvsp.placement import PlacementDecision, choose_instance
@@ -209,14 +217,6 @@ class NoInstance(NotActive):
         return body
 
 
-class UpstreamRefused(KVSPError):
-    """An instance refused a state change the PC forwarded (502 ``kvsp-upstream-error``)."""
-
-    problem = "kvsp-upstream-error"
-    status = 502
-    title = "Unexpected answer from a peer"
-
-
 # --- the controller ----------------------------------------------------------------------------
 
 
@@ -358,7 +358,7 @@ class PlacementController:
             NotFound: the instance never reported.
             IllegalTransition: no such move by the PC (409), checked before contacting it.
             TransportError: the instance could not be reached (502); nothing changes.
-            UpstreamRefused: the instance answered with an error (502); nothing changes.
+            UpstreamError: the instance answered with an error (502); nothing changes.
         """
         current = self.registry.state_of(instance, self._clock.now_ms())
         if current is None:
@@ -370,7 +370,7 @@ class PlacementController:
         except KVSPError as exc:
             if exc.status == 502:
                 raise
-            raise UpstreamRefused(f"{instance} refused state {state}: {exc}") from exc
+            raise UpstreamError(f"{instance} refused state {state}: {exc}") from exc
         # Re-checked by the registry: the instance may have failed while we waited.
         return self.registry.set_state(instance, state, self._clock.now_ms())
 

@@ -55,7 +55,8 @@ from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord
 from kvsp.transfer.block_client import BlockClient
 from kvsp.transfer.buffers import BufferPool
-from kvsp.transfer.bulk import BulkClient, BytesBody
+from kvsp.transfer.bulk import BulkClient
+from kvsp.transfer.http11 import BytesBody
 from kvsp.transfer.verify import Hashing
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process

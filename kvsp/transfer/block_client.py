@@ -41,15 +41,8 @@ from kvsp.errors import (
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord, loads
 from kvsp.transfer.buffers import BufferPool
-from kvsp.transfer.bulk import (
-    DEFAULT_TIMEOUT_S,
-    Buffer,
-    BulkClient,
-    BulkResponse,
-    BytesBody,
-    ResponseHead,
-    split_url,
-)
+from kvsp.transfer.bulk import DEFAULT_TIMEOUT_S, BulkClient, BulkResponse, split_url
+from kvsp.transfer.http11 import Buffer, BytesBody, ResponseHead
 from kvsp.transfer.verify import (
     DEFAULT_HASHING,
     BlockPlan,

@@ -3,7 +3,7 @@
 §6.7: a client checks ``Repr-Digest`` over the whole body and, when the body is in the
 replica's codec, each returned layer against the Replica Record's ``layer_digests`` and that
 list against the replica digest; a block that fails any check is never handed out, the caller
-gets an exception instead. Verification runs in :class:`~kvsp.transfer.bulk.BodyConsumer` s
+gets an exception instead. Verification runs in :class:`~kvsp.transfer.http11.BodyConsumer` s
 that check the octets as they land, so that hashing overlaps the transfer:
 
 * :class:`~kvsp.transfer.verify_slices.SliceBody`, for a body of known length: one buffer,
@@ -48,7 +48,7 @@ from kvsp.container_reader import ContainerReader, LayerSink
 from kvsp.errors import ContainerError, DigestMismatch, Incompatible
 from kvsp.records import ReplicaRecord
 from kvsp.transfer.buffers import BufferPool
-from kvsp.transfer.bulk import SCRATCH_SIZE
+from kvsp.transfer.http11 import SCRATCH_SIZE
 
 CODEC_END = 8
 """Octets of a body that name its codec: the field ends at octet 8 (§4.3 figure)."""
@@ -302,7 +302,7 @@ def receive_buffer(size: int, buffers: BufferPool | None) -> memoryview:
 
 
 class VerifyingBody:
-    """A :class:`~kvsp.transfer.bulk.BodyConsumer` that verifies a block as it arrives.
+    """A :class:`~kvsp.transfer.http11.BodyConsumer` that verifies a block as it arrives.
 
     With a known length the body lands in one buffer and the layers stay there; otherwise it
     lands in segments and the reader copies each layer out (or into ``sink``). ``hashing``

@@ -42,7 +42,7 @@ SLICE_STEP = 512 * 1024
 
 
 class SliceBody:
-    """A :class:`~kvsp.transfer.bulk.BodyConsumer` that verifies a block of known length by
+    """A :class:`~kvsp.transfer.http11.BodyConsumer` that verifies a block of known length by
     hashing slices of the one buffer it lands in (§6.7), with no second parse of the body.
 
     The header is parsed on the event loop as soon as it has arrived; from then on, every

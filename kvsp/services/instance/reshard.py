@@ -82,7 +82,8 @@ from kvsp.errors import (
 from kvsp.records_common import TokenRange, read_name
 from kvsp.records_shard import ReshardAbort, ReshardCommit, ReshardPlan, parse_reshard_message
 from kvsp.reshard import PendingState, check_plan, move_pending
-from kvsp.transfer.bulk import Buffer, BulkClient, BytesBody
+from kvsp.transfer.bulk import BulkClient
+from kvsp.transfer.http11 import Buffer, BytesBody
 from kvsp.web.auth import principal_of, require_role
 from kvsp.web.client import problem_error
 from kvsp.web.http import parse_repr_digest, read_body, read_json, repr_digest

@@ -7,7 +7,7 @@ and (b) always; ``--loop``: the client's event loop for (c)-(f); by default ``bo
 uvloop is installed, which runs the (f) cases once more on uvloop, the loop
 :mod:`kvsp.web.runner` gives every KVSP service, so the instances that fetch blocks). The
 server is ``kvsp serve holder`` (uvicorn with uvloop + httptools, in its own process; or, with
-``--server test``, the test holder ``tests/services/bulk_server_for_tests.py``) holding eight
+``--server test``, the test holder ``tests/support/bulk_server.py``) holding eight
 2 MiB KVB1 containers (16 tokens × 32 layers × 8 kv_heads × 128 head_dim × bf16), served with
 ``Repr-Digest``. Cases, run round-robin, each figure the median over the repetitions:
 
@@ -62,7 +62,7 @@ from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER = ROOT / "tests" / "services" / "bulk_server_for_tests.py"
+SERVER = ROOT / "tests" / "support" / "bulk_server.py"
 DESCRIPTOR = CompatibilityDescriptor(
     model="bench-blocks",
     model_digest=b"\x05" * 32,
@@ -99,14 +99,14 @@ while True:
 
 def block_size() -> int:
     sys.path.insert(0, str(SERVER.parent))
-    import bulk_server_for_tests as srv  # noqa: PLC0415 - the test holder's own block maker
+    import bulk_server as srv  # noqa: PLC0415 - the test holder's own block maker
 
     return len(srv.block_container(KEYS[0], geometry=GEOMETRY, tokens=TOKENS))
 
 
 def records(base: str) -> list[ReplicaRecord]:
     sys.path.insert(0, str(SERVER.parent))
-    import bulk_server_for_tests as srv  # noqa: PLC0415
+    import bulk_server as srv  # noqa: PLC0415
 
     out = []
     for key in KEYS:
@@ -224,7 +224,7 @@ def start_holder(folder: Path, kind: str) -> tuple[RunningService, str]:
 
 
 async def store_blocks(base: str, token: str) -> None:
-    import bulk_server_for_tests as srv  # noqa: PLC0415 - on sys.path after block_size()
+    import bulk_server as srv  # noqa: PLC0415 - on sys.path after block_size()
 
     async with BlockClient(token) as client:
         for key in KEYS:
@@ -293,7 +293,7 @@ def hash_costs(size: int, reps: int = 30) -> None:
 
 
 def srv_token() -> str:
-    import bulk_server_for_tests as srv  # noqa: PLC0415
+    import bulk_server as srv  # noqa: PLC0415
 
     return str(srv.TOKEN)
 

@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python -m bench.bench_crash [--iterations N] [--scenario holder|relay|both]
 [--seed S]`` (or ``.venv/bin/python bench/bench_crash.py``).
 
-Real processes from ``tests/reliability/crash_kit.py`` (loaded by path), on 127.0.0.1:
+Real processes from ``tests/support/crash.py``, on 127.0.0.1:
 
 * ``holder``: ``kvsp serve control`` and two ``kvsp serve holder`` processes holding one 32 MiB
   block (8 layers of 4 MiB); the verifying HTTP client fetches it from the replicas the IS
@@ -28,7 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import importlib.util
+import importlib
 import json
 import random
 import statistics
@@ -49,20 +49,13 @@ from kvsp.transfer.moqt_client import MoqtBlockClient  # noqa: E402
 from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock  # noqa: E402
 from moqt.certs import make_self_signed  # noqa: E402
 
-KIT = REPO / "tests" / "reliability"
 BOTH_EVERY = 5
 """One iteration in this many kills both replicas."""
 
 
 def load(name: str) -> ModuleType:
-    """``tests/reliability/<name>.py`` (``tests/`` is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, KIT / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise ImportError(name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """``tests.support.<name>`` (the repository root is on ``sys.path`` by now)."""
+    return importlib.import_module(f"tests.support.{name}")
 
 
 @dataclass
@@ -133,7 +126,7 @@ async def holder_loop(crash: ModuleType, procs: Any, iterations: int, rng: rando
 async def relay_loop(
     crash: ModuleType, procs: Any, iterations: int, rng: random.Random, folder: Path
 ) -> Tally:
-    kit = load("loss_kit")
+    kit = load("loss")
     cert, key = make_self_signed("localhost", folder / "certs")
     names = ["r1", "r2"]
     procs.together(*(functools.partial(procs.relay, n, cert, key) for n in names))
@@ -191,7 +184,7 @@ def report(scenario: str, tally: Tally) -> None:
 
 
 async def run(scenarios: list[str], iterations: int, seed: int) -> None:
-    crash = load("crash_kit")
+    crash = load("crash")
     rng = random.Random(seed)
     for scenario in scenarios:
         folder = Path(tempfile.mkdtemp(prefix=f"bench-crash-{scenario}-"))

@@ -3,8 +3,8 @@
 Run: ``.venv/bin/python -m bench.bench_loss [--rounds N] [--blocks B] [--kinds client-relay,...]``
 (or ``.venv/bin/python bench/bench_loss.py``).
 
-Each visit to a case starts a topology from ``tests/reliability/loss_kit.py`` (loaded by path)
-in one event loop over real UDP on 127.0.0.1: a relay fed by our publisher, and
+Each visit to a case starts a topology from ``tests/support/loss.py`` in one event loop over
+real UDP on 127.0.0.1: a relay fed by our publisher, and
 :class:`~interop.lossy_proxy.LossyProxy` on one hop, either between the verifying client and the
 relay (``client-relay``) or between an edge relay and its upstream relay (``relay-relay``); it
 fetches one untimed block (sessions set up), then ``--blocks`` timed ones. Cases: no
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import random
 import statistics
 import sys
@@ -52,15 +51,10 @@ CASES: dict[str, Impairment] = {
 
 
 def load_kit() -> ModuleType:
-    """``tests/reliability/loss_kit.py`` (``tests/`` is not a package)."""
-    path = REPO / "tests" / "reliability" / "loss_kit.py"
-    spec = importlib.util.spec_from_file_location("loss_kit", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["loss_kit"] = module
-    spec.loader.exec_module(module)
-    return module
+    """:mod:`tests.support.loss` (the repository root is on ``sys.path`` by now)."""
+    from tests.support import loss
+
+    return loss
 
 
 @dataclass

@@ -3,33 +3,18 @@ and a real quick run of one benchmark through ``kvsp bench``."""
 
 from __future__ import annotations
 
-import importlib.util
 import struct
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from bench import report
+from tests.support import REPO
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KVSP = [sys.executable, "-m", "kvsp"]
-
-
-def _load_report() -> ModuleType:
-    # Loaded by path: bench/ is not a package.
-    path = REPO / "bench" / "report.py"
-    spec = importlib.util.spec_from_file_location("kvsp_bench_report", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _load_report()
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -13,10 +13,8 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import pytest
@@ -27,13 +25,13 @@ pytest.importorskip("safetensors", reason="the demo's instances need the engine 
 from kvsp.demo.cluster import Cluster, ClusterConfig, instances_support_relay  # noqa: E402
 from kvsp.demo.state import StateFolder  # noqa: E402
 from kvsp.demo.summary import SECTIONS  # noqa: E402
+from tests.support.polling import eventually  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc"),
 ]
 KVSP = [sys.executable, "-m", "kvsp"]
-T = TypeVar("T")
 
 
 def processes_naming(marker: str) -> list[str]:
@@ -50,17 +48,6 @@ def processes_naming(marker: str) -> list[str]:
         if marker in command:
             found.append(f"{entry.name}: {command[:200]}")
     return found
-
-
-def eventually(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

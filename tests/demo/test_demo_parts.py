@@ -23,9 +23,10 @@ from kvsp.cli import main
 from kvsp.demo.client import DemoClient, Generation, StateWatcher
 from kvsp.demo.console import Console, render_table
 from kvsp.demo.failover import Stream
-from kvsp.demo.procs import ClusterError, ProcessGroup
+from kvsp.demo.procs import ProcessGroup
 from kvsp.demo.scenario import BackgroundGeneration
 from kvsp.demo.summary import Figures, print_report
+from kvsp.errors import ClusterError
 from kvsp.records import ReplicaRecord
 from kvsp.services.index.app import IndexConfig, create_index_app
 from kvsp.stores.descriptors import DescriptorRegistry

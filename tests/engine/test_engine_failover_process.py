@@ -10,13 +10,10 @@ seeded top-p sampling.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -32,6 +29,7 @@ from kvsp.engine.reference import TorchEngine  # noqa: E402
 from kvsp.keys import scope_id  # noqa: E402
 from kvsp.services.frontend import FrontEnd, FrontendConfig  # noqa: E402
 from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
+from tests.support import cluster as cluster_kit  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,23 +43,6 @@ KILL_AT = 24
 TOP_P = Sampling(method="top-p", params={"p": 0.9}, seed=5)
 
 
-def _helpers() -> ModuleType:
-    name = "kvsp_cluster_for_tests"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(__file__).resolve().parents[1] / "services" / "cluster_for_tests.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = _helpers()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     folder = tmp_path_factory.mktemp("torch-failover")
@@ -70,14 +51,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     write_principals(
         folder / "principals",
         [
-            principal_entry("admin", helpers.ADMIN_TOKEN, ["admin"], None),
-            principal_entry("client", helpers.CLIENT_TOKEN, ["client"], [SCOPE]),
+            principal_entry("admin", cluster_kit.ADMIN_TOKEN, ["admin"], None),
+            principal_entry("client", cluster_kit.CLIENT_TOKEN, ["client"], [SCOPE]),
         ],
     )
-    (folder / "admin.token").write_text(helpers.ADMIN_TOKEN + "\n")
+    (folder / "admin.token").write_text(cluster_kit.ADMIN_TOKEN + "\n")
     (folder / "descriptor.json").write_text(json.dumps(descriptor.to_json()))
     (folder / "scope.key").write_text(SCOPE_KEY.hex())
-    c = helpers.Cluster(folder, httpx.Client(timeout=60))
+    c = cluster_kit.Cluster(folder, httpx.Client(timeout=60))
     token = str(folder / "admin.token")
     described = ("--descriptor", str(folder / "descriptor.json"))
     instance = [
@@ -129,7 +110,7 @@ def test_a_killed_reference_instance_is_resumed_token_for_token(
         config = FrontendConfig(stall_s=0.3, poll_s=0.03, poll_max_s=0.2, reattach_s=60)
         async with FrontEnd(
             cluster.control,
-            helpers.CLIENT_TOKEN,
+            cluster_kit.CLIENT_TOKEN,
             scope_id=SCOPE,
             compat_id=compat_id(descriptor_for(cluster.model, block_tokens=B)),
             block_tokens=B,

@@ -14,12 +14,11 @@ import asyncio
 import json
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -34,8 +33,9 @@ from kvsp.engine.sampler import Sampler  # noqa: E402
 from kvsp.keys import block_keys, scope_id  # noqa: E402
 from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
 from kvsp.web.testing import RunningService, start_process  # noqa: E402
+from tests.support.polling import eventually  # noqa: E402
 
-T = TypeVar("T")
+pytestmark = pytest.mark.slow  # control plane, holder and two reference-engine instances
 B = 8
 SCOPE_KEY = bytes(range(40, 72))
 SCOPE = scope_id(SCOPE_KEY)
@@ -43,17 +43,6 @@ TOKEN = "engine-instance-test-token-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 # A vocabulary above the agent's warm-up ids (< 65521), untied so greedy output varies.
 MODEL = {"seed": 11, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 65_536}
-
-
-def eventually(check: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 class CorruptingProxy:

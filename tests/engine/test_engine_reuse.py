@@ -9,7 +9,6 @@ identical cache contents. A corrupted layer is caught, never marked ready, and r
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from kvsp.engine.kvcache import LayerLoadFailed  # noqa: E402
 from kvsp.engine.sampler import Sampler  # noqa: E402
 from kvsp.engine.sink import BlockLoader, DeviceSink  # noqa: E402
 from kvsp.errors import DigestMismatch, Incompatible  # noqa: E402
+from tests.support.polling import eventually  # noqa: E402
 
 torch.set_num_threads(1)
 B = 8
@@ -135,9 +135,7 @@ def test_layer_l_waits_only_for_layer_l(model_dir: Path, monkeypatch: pytest.Mon
         target=lambda: result.append(b.prefill(seq, PROMPT, loaded_prefix_pages=load.pages))
     )
     worker.start()
-    deadline = time.monotonic() + 30
-    while 2 not in waited and time.monotonic() < deadline:
-        time.sleep(0.005)
+    eventually(lambda: 2 in waited, 30, "the prefill to wait on layer 2", interval=0.005)
     assert waited[:3] == [0, 1, 2]  # layers 0 and 1 ran before layer 2 had arrived
     events = b.cache.events(load.pages[-1])
     assert events is not None and events[1].is_set() and not events[2].is_set()

@@ -21,12 +21,11 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -51,9 +50,10 @@ from kvsp.web.testing import RunningService, start_process  # noqa: E402
 from moqt.certs import make_self_signed  # noqa: E402
 from relay.kv import replica_record  # noqa: E402
 from relay.relay import Relay, RelayConfig  # noqa: E402
+from tests.support.polling import eventually, until  # noqa: E402
 
-T = TypeVar("T")
 torch.set_num_threads(1)
+pytestmark = pytest.mark.slow  # control plane, relay and two reference-engine instances
 B = 8
 PROMPT = [(7 * i + 3) % 256 for i in range(45)]  # 5 complete blocks and 5 tail tokens
 LOADED = 3
@@ -89,9 +89,7 @@ async def _relay_records(
     records = []
     for block in blocks:
         track = (block.namespace, block.track_name)
-        async with asyncio.timeout(10):
-            while (replica := relay.holder.replica(track)) is None:
-                await asyncio.sleep(0.01)
+        replica = await until(lambda t=track: relay.holder.replica(t), 10)  # type: ignore[misc]
         record = replica_record(replica, holder=relay.url, lease_base=None, ttl_ms=60_000)
         records.append(record)
     return relay, records
@@ -173,17 +171,6 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 SCOPE_KEY = bytes(range(80, 112))
 # A vocabulary above the agent's warm-up ids (< 65521), untied so greedy output varies.
 MODEL = {"seed": 11, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 65_536}
-
-
-def eventually(check: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 def prompt_of(seed: int, length: int) -> list[int]:

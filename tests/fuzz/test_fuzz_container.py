@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from fuzz_strategies import mutated, targets
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +22,7 @@ from kvsp.container import (
 )
 from kvsp.container_reader import EAGER_SECTION, ContainerReader
 from kvsp.errors import ContainerError, KVSPError
+from tests.support.fuzz_strategies import mutated, targets
 
 SEEDS = targets.container_seeds()
 FUZZ = settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])

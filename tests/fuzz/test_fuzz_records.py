@@ -13,13 +13,20 @@ import json
 from typing import Any
 
 import pytest
-from fuzz_strategies import DELETE, json_values, mutate_tree, mutated, paths_in, targets
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvsp.errors import BadRequest, KVSPError, RecordError
 from kvsp.records import Sampler, SessionCheckpoint, loads
 from kvsp.web.http import parse_json
+from tests.support.fuzz_strategies import (
+    DELETE,
+    json_values,
+    mutate_tree,
+    mutated,
+    paths_in,
+    targets,
+)
 
 SEEDS = targets.record_seeds()
 DOCUMENTS = targets.record_documents()

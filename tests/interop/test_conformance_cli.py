@@ -6,15 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # interop/ is a folder of tools, not an installed package
-
-from interop import peers  # noqa: E402
-from interop.conformance import CASES  # noqa: E402
+from interop import peers
+from interop.conformance import CASES
+from tests.support import REPO
 
 CLI = [sys.executable, "-m", "interop.conformance"]
 

@@ -13,27 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 
+from interop import peers
 from kvsp.container import Geometry, encode_container, replica_digest
 from kvsp.ids import BlockKey, CompatId, ScopeId
-from kvsp.records import ReplicaRecord, encode_moqt_namespace
+from kvsp.moqt_mapping import encode_moqt_namespace, kv_namespace, stored_track_name
+from kvsp.records import ReplicaRecord
 from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.transfer.moqt_publisher import LiveTracks, MemoryBlocks, MoqtBlockPublisher, StoredBlock
 from kvsp.transfer.moqt_transfer import parse_moqt_uri
 from moqt.asyncio import connect
 from moqt.backend import get_backend
-from moqt.namespace import kv_namespace, stored_track_name
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # interop/ is a folder of tools, not an installed package
-
-from interop import peers  # noqa: E402
 
 pytestmark = pytest.mark.slow  # peer processes: about a minute in all
 GEOMETRY = Geometry(layers=32, kv_heads=8, head_dim=128, element_size=2)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from relay_testkit import (
+
+from kvsp.web.auth import Principals, principal_entry
+from moqt.asyncio import RequestRejected, SessionClosedError
+from moqt.certs import make_self_signed
+from moqt.errors import RequestErrorCode, SessionError
+from moqt.messages import AuthToken, MessageParameters, TokenAliasType
+from moqt.session_events import NamespaceReceived
+from moqt.wire import Location
+from tests.support.relay_kit import (
     SCOPE_A,
     SCOPE_B,
     Certs,
@@ -18,14 +26,6 @@ from relay_testkit import (
     run,
     running_relay,
 )
-
-from kvsp.web.auth import Principals, principal_entry
-from moqt.asyncio import RequestRejected, SessionClosedError
-from moqt.certs import make_self_signed
-from moqt.errors import RequestErrorCode, SessionError
-from moqt.messages import AuthToken, MessageParameters, TokenAliasType
-from moqt.session_events import NamespaceReceived
-from moqt.wire import Location
 
 pytestmark = pytest.mark.timeout(60)
 PRINCIPALS = {

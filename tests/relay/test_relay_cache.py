@@ -8,7 +8,6 @@ import sys
 from dataclasses import replace
 
 import pytest
-from relay_testkit import SCOPE_A, SCOPE_B, make_block, max_cache
 
 from kvsp.errors import Unauthorized
 from kvsp.moqt_mapping import Broad, Plain, Scoped, classify, layer_digest_extension
@@ -23,6 +22,7 @@ from relay.cache import CachedObject, Malformed, ObjectCache, PutResult
 from relay.ingest import ObjectIngest
 from relay.kv import block_track, complete_replica
 from relay.routing import DeliveryFilter, NamespaceRoutes, NamespaceSubscribers
+from tests.support.relay_kit import SCOPE_A, SCOPE_B, make_block, max_cache
 
 NS = (b"plain", b"ns")
 

@@ -14,20 +14,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from relay_testkit import (
-    BACKENDS,
-    Certs,
-    block_track,
-    client,
-    fetch_all,
-    make_block,
-    port_of,
-    publishing,
-    relay_config,
-    run,
-    running_relay,
-    until,
-)
 
 from moqt.asyncio import MOQTConnection, RequestRejected, connect
 from moqt.backend import TransportConfig, get_backend
@@ -47,6 +33,20 @@ from moqt.session_events import (
     UnsubscribeReceived,
 )
 from moqt.wire import Location
+from tests.support.polling import until
+from tests.support.relay_kit import (
+    BACKENDS,
+    Certs,
+    block_track,
+    client,
+    fetch_all,
+    make_block,
+    port_of,
+    publishing,
+    relay_config,
+    run,
+    running_relay,
+)
 
 pytestmark = pytest.mark.timeout(60)
 NAMESPACE = (b"plain", b"events")

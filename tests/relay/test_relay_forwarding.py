@@ -5,20 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from relay_testkit import (
-    BACKENDS,
-    Certs,
-    Track,
-    block_track,
-    client,
-    fetch_all,
-    make_block,
-    publishing,
-    relay_config,
-    run,
-    running_relay,
-    until,
-)
 
 from kvsp.moqt_mapping import find_layer_digest
 from moqt.asyncio import MOQTConnection, RequestRejected, TrackReader
@@ -36,6 +22,20 @@ from moqt.session_events import (
     SubscribeReceived,
 )
 from moqt.wire import Location
+from tests.support.polling import until
+from tests.support.relay_kit import (
+    BACKENDS,
+    Certs,
+    Track,
+    block_track,
+    client,
+    fetch_all,
+    make_block,
+    publishing,
+    relay_config,
+    run,
+    running_relay,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

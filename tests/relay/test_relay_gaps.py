@@ -7,7 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from relay_testkit import (
+
+from moqt.asyncio import RequestRejected
+from moqt.certs import make_self_signed
+from moqt.errors import RequestErrorCode
+from relay.upstream import UpstreamConfig
+from tests.support.polling import until
+from tests.support.relay_kit import (
     Certs,
     block_track,
     client,
@@ -17,13 +23,7 @@ from relay_testkit import (
     relay_config,
     run,
     running_relay,
-    until,
 )
-
-from moqt.asyncio import RequestRejected
-from moqt.certs import make_self_signed
-from moqt.errors import RequestErrorCode
-from relay.upstream import UpstreamConfig
 
 pytestmark = pytest.mark.timeout(60)
 

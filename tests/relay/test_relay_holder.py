@@ -4,7 +4,6 @@ process (ready file, healthz, records withdrawn on SIGTERM)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from collections.abc import Iterator
@@ -13,20 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-from relay_testkit import (
-    COMPAT,
-    SCOPE_A,
-    Block,
-    Certs,
-    block_track,
-    client,
-    fetch_all,
-    make_block,
-    publishing,
-    relay_config,
-    run,
-    running_relay,
-)
 
 from kvsp.container import header_size
 from kvsp.ids import BlockKey, ScopeId
@@ -41,6 +26,21 @@ from moqt.certs import make_self_signed
 from relay.holder import HolderConfig, RelayHolder
 from relay.relay import Relay
 from relay.web import HttpFace, create_app
+from tests.support.polling import until
+from tests.support.relay_kit import (
+    COMPAT,
+    SCOPE_A,
+    Block,
+    Certs,
+    block_track,
+    client,
+    fetch_all,
+    make_block,
+    publishing,
+    relay_config,
+    run,
+    running_relay,
+)
 
 pytestmark = pytest.mark.timeout(90)
 PRINCIPALS = {
@@ -90,15 +90,6 @@ async def lookup(index: RunningService, block: Block) -> tuple[ReplicaRecord, ..
     async with IndexClient(index.base_url, token("reader")) as reader:
         answer = await reader.lookup(request)
     return () if answer.matched == 0 or answer.replicas is None else answer.replicas[0]
-
-
-async def eventually(check: Any, timeout: float = 5.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await check()
-        if value or asyncio.get_running_loop().time() > deadline:
-            return value
-        await asyncio.sleep(0.05)
 
 
 class RecordingIndex:
@@ -151,15 +142,15 @@ def test_records_eviction_and_leases(
             client(relay.url, certs, token=token("reader")) as reader,
         ):
             await fetch_all(reader, first.track, 4)
-            records = await eventually(lambda: lookup(index, first))
+            records = await until(lambda: lookup(index, first), what="the first block's record")
             check_record(records, first, relay.url, face_url)
 
             await fetch_all(reader, second.track, 4)
             await fetch_all(reader, third.track, 4)  # over budget: the LRU block goes
-            assert await eventually(lambda: _missing(lookup(index, first)))
+            await until(lambda: _missing(lookup(index, first)), what="the first block withdrawn")
             assert first.track not in relay.cache
             assert recorder.withdrawn == [(first.key, True)]  # withdrawn while still cached
-            assert await eventually(lambda: lookup(index, third))
+            await until(lambda: lookup(index, third), what="the third block's record")
 
             headers = {"authorization": f"Bearer {token('reader')}"}
             body = {
@@ -175,7 +166,7 @@ def test_records_eviction_and_leases(
                 missing = await http.post("leases", json={**body, "block_keys": [first.key.hex()]})
                 assert missing.status_code == 404
                 await fetch_all(reader, fourth.track, 4)  # over budget: the leased LRU stays
-                await eventually(lambda: _true(third.track not in relay.cache))
+                await until(lambda: third.track not in relay.cache)
                 assert second.track in relay.cache and third.track not in relay.cache
                 assert await lookup(index, second)
                 renewed = await http.put(f"leases/{lease}", json={"ttl_ms": 10_000})
@@ -188,10 +179,6 @@ def test_records_eviction_and_leases(
 
 async def _missing(found: Any) -> bool:
     return not await found
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 def check_record(records: tuple[ReplicaRecord, ...], block: Block, url: str, face: str) -> None:
@@ -239,7 +226,7 @@ def test_the_relay_process(
             ):
                 objects = await fetch_all(reader, block.track, 4)
                 assert [bytes(o.payload) for o in objects] == list(block.layers)
-            records = await eventually(lambda: lookup(index, block))
+            records = await until(lambda: lookup(index, block), what="the block's record")
             check_record(records, block, ready["moqt"], ready["http"])
 
         run(scenario())

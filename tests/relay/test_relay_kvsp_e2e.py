@@ -17,10 +17,7 @@ import asyncio
 import hashlib
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import pytest
@@ -38,9 +35,9 @@ from kvsp.transfer.block_client import BlockClient
 from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
-T = TypeVar("T")
 ADMIN = "e2e-admin-token-0123456789abcdef0123"
 READER = "e2e-reader-token-0123456789abcdef012"
 OUTSIDER = "e2e-outsider-token-0123456789abcdef0"
@@ -50,17 +47,6 @@ DESCRIPTOR = toy_descriptor(layers=10, block_tokens=16)
 COMPAT = compat_id(DESCRIPTOR)
 GEOMETRY = Geometry.from_descriptor(DESCRIPTOR)
 PROMPT = [(31 * i + 7) % 50_000 for i in range(3 * 16 + 5)]  # three complete blocks
-
-
-def eventually(check: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
 
 
 async def lookup(control: str, token: str, keys: list[bytes]) -> list[tuple[ReplicaRecord, ...]]:

@@ -15,7 +15,6 @@ import hashlib
 from collections.abc import Sequence
 
 import pytest
-from relay_testkit import Certs, client, fetch_all, port_of, relay_config, run, running_relay, until
 
 from kvsp.container import Geometry, encode_container, replica_digest
 from kvsp.errors import KVSPError
@@ -24,6 +23,16 @@ from kvsp.records import ReplicaRecord
 from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock
 from kvsp.transfer.relay_link import MirroringIndex, RelayLink, RelayLinkConfig
 from moqt.certs import make_self_signed
+from tests.support.polling import until
+from tests.support.relay_kit import (
+    Certs,
+    client,
+    fetch_all,
+    port_of,
+    relay_config,
+    run,
+    running_relay,
+)
 
 pytestmark = pytest.mark.timeout(60)
 GEOMETRY = Geometry(layers=6, kv_heads=2, head_dim=16, element_size=2)
@@ -117,9 +126,7 @@ def test_the_link_reconnects_and_announces_again(certs: Certs) -> None:
                                 return False
                             return True
 
-                        async with asyncio.timeout(15):
-                            while not await routed():
-                                await asyncio.sleep(0.1)
+                        await until(routed, 15, "the link's announcement routed", interval=0.1)
                     await until(lambda: track in again.cache)
             finally:
                 await link.close()

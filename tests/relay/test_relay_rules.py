@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from relay_testkit import (
+
+from moqt.asyncio import RequestRejected
+from moqt.certs import make_self_signed
+from moqt.errors import PublishDoneCode, RequestErrorCode, StreamResetCode
+from moqt.messages_params import ExtensionType, track_extension
+from moqt.session_events import DataStreamReset, ObjectData, PublishDoneReceived
+from moqt.wire import Location
+from relay.upstream import UpstreamConfig
+from tests.support.relay_kit import (
     BACKENDS,
     Certs,
     Track,
@@ -19,14 +27,6 @@ from relay_testkit import (
     run,
     running_relay,
 )
-
-from moqt.asyncio import RequestRejected
-from moqt.certs import make_self_signed
-from moqt.errors import PublishDoneCode, RequestErrorCode, StreamResetCode
-from moqt.messages_params import ExtensionType, track_extension
-from moqt.session_events import DataStreamReset, ObjectData, PublishDoneReceived
-from moqt.wire import Location
-from relay.upstream import UpstreamConfig
 
 pytestmark = pytest.mark.timeout(60)
 

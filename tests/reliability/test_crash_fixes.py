@@ -4,7 +4,7 @@ with real processes; these pin each fix down without timing):
 * a disk-tier block whose data file is gone while its sidecar is left is reported dropped on
   restart, so the holder withdraws the record it may have published before the crash;
 * httpcore's ``AttributeError`` when a peer dies right after accepting a connection leaves a
-  KVSP client as a :class:`~kvsp.web.client.TransportError`, not a crash (the holder
+  KVSP client as a :class:`~kvsp.errors.TransportError`, not a crash (the holder
   answered 500 to a PUT when the Index Service died mid-publish);
 * the MOQT block client drops a pooled session that stopped answering, so that a holder
   restarted at the same address (which no longer knows the old QUIC connection) is reached at
@@ -19,10 +19,10 @@ import hashlib
 from pathlib import Path
 
 import httpx
-import loss_kit
 import pytest
 
 from kvsp.container import Geometry, encode_container
+from kvsp.errors import TransportError
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LookupRequest
 from kvsp.registries import Tier
@@ -30,10 +30,10 @@ from kvsp.services.index.client import IndexClient
 from kvsp.stores.blocks import BlockRef, BlockStore, StoreConfig, describe_block
 from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock, serve_blocks
-from kvsp.web.client import TransportError
 from moqt.asyncio import MOQTServer
 from moqt.backend import get_backend
 from moqt.certs import make_self_signed
+from tests.support import loss as loss_kit
 
 GEOMETRY = Geometry(layers=2, kv_heads=1, head_dim=8, element_size=2)
 COMPAT = CompatId(hashlib.sha256(b"crash-fixes").digest())

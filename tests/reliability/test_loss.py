@@ -10,9 +10,9 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from loss_kit import KINDS, Impairment, Kind, check_block, make_block, topology
 
 from moqt.certs import make_self_signed
+from tests.support.loss import KINDS, Impairment, Kind, check_block, make_block, topology
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 BLOCKS = 2

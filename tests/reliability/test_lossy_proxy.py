@@ -16,17 +16,15 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvsp.web.testing import start_process
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # interop/ is a folder of tools, not an installed package
-
-from interop.lossy_proxy import (  # noqa: E402
+from interop.lossy_proxy import (
     Impairment,
     LossyProxy,
     build_parser,
     parse_address,
 )
+from kvsp.web.testing import start_process
+from tests.support import REPO
+from tests.support.polling import until
 
 T = TypeVar("T")
 pytestmark = pytest.mark.timeout(60)
@@ -84,12 +82,6 @@ async def sender(
 
 def numbered(n: int) -> list[bytes]:
     return [b"%06d" % i + b"." * 100 for i in range(n)]
-
-
-async def until(check: object, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():  # type: ignore[operator]
-            await asyncio.sleep(0.005)
 
 
 async def settle(count: list[bytes], quiet: float = 0.2) -> None:

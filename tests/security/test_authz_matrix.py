@@ -13,8 +13,8 @@ The expectations come from DESIGN.md §3 and the resource tables in the app docs
 * another's resource: a record for a holder the principal may not publish for, a status for an
   instance it is not → 403; another principal's lease → 404 (as if there were none).
 
-Each request runs against a fresh environment (``authz_envs``) seeded by a ``root`` principal,
-so outcomes never depend on order.
+Each request runs against a fresh environment (``tests.support.authz``) seeded by a ``root``
+principal, so outcomes never depend on order.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ from typing import Any
 
 import httpx
 import pytest
-from authz_envs import (
+
+from kvsp.compat import compat_id
+from kvsp.errors import PROBLEM_PREFIX
+from kvsp.ids import uri_id
+from tests.support.authz import (
     COMPAT,
     DIRECTIVES,
     ENVIRONMENTS,
@@ -50,10 +54,6 @@ from authz_envs import (
     status_json,
     token,
 )
-
-from kvsp.compat import compat_id
-from kvsp.errors import PROBLEM_PREFIX
-from kvsp.ids import uri_id
 
 pytestmark = pytest.mark.timeout(120)
 

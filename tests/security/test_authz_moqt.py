@@ -14,15 +14,17 @@ AUTHORIZATION TOKEN setup/request parameter; rules in ``relay/access.py``).
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "relay"))  # the relay test kit
-
-from relay_testkit import (  # noqa: E402
+from kvsp.web.auth import Principals, principal_entry
+from moqt.asyncio import RequestRejected, SessionClosedError
+from moqt.certs import make_self_signed
+from moqt.errors import RequestErrorCode, SessionError
+from moqt.messages import AuthToken, MessageParameters, TokenAliasType
+from moqt.wire import Location
+from tests.support.relay_kit import (
     SCOPE_A,
     SCOPE_B,
     Certs,
@@ -35,13 +37,6 @@ from relay_testkit import (  # noqa: E402
     run,
     running_relay,
 )
-
-from kvsp.web.auth import Principals, principal_entry  # noqa: E402
-from moqt.asyncio import RequestRejected, SessionClosedError  # noqa: E402
-from moqt.certs import make_self_signed  # noqa: E402
-from moqt.errors import RequestErrorCode, SessionError  # noqa: E402
-from moqt.messages import AuthToken, MessageParameters, TokenAliasType  # noqa: E402
-from moqt.wire import Location  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 ROLES = ("holder", "instance", "pc", "client", "admin")

@@ -12,14 +12,11 @@ never asserted.
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench/ is scripts
-
-from bench_load import run_index_load, run_relay_load  # noqa: E402
+from bench.bench_load import run_index_load, run_relay_load
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

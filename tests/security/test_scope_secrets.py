@@ -20,18 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-from authz_envs import (
-    COMPAT,
-    FRESH,
-    H_URI,
-    SCOPES,
-    STORED,
-    bearer,
-    index_env,
-    record_json,
-    replica_path,
-    token,
-)
 
 from kvsp.errors import Unauthorized
 from kvsp.web import auth
@@ -43,6 +31,18 @@ from kvsp.web.auth import (
     write_principals,
 )
 from kvsp.web.testing import start_process
+from tests.support.authz import (
+    COMPAT,
+    FRESH,
+    H_URI,
+    SCOPES,
+    STORED,
+    bearer,
+    index_env,
+    record_json,
+    replica_path,
+    token,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.clock import ManualClock
 from kvsp.web.testing import InProcessClient, RunningService, start_process
+from tests.support import SUPPORT, apps
 
-HERE = Path(__file__).resolve().parent
-APP_SCRIPT = HERE / "app_for_tests.py"
-
-
-def _load_app_module() -> ModuleType:
-    # Loaded by path: tests/ is not a package, and the same file runs as a script.
-    spec = importlib.util.spec_from_file_location("kvsp_tests_app", APP_SCRIPT)
-    if spec is None or spec.loader is None:
-        raise ImportError(APP_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-app_for_tests = _load_app_module()
+APP_SCRIPT = SUPPORT / "apps.py"
 
 CLIENT_TOKEN = "client-token-0123456789abcdefghijklmnop"
 SCOPE = bytes(range(16))
@@ -62,7 +47,7 @@ def principals() -> Principals:
 @pytest.fixture
 def client(principals: Principals, clock: ManualClock) -> InProcessClient:
     """The test app in-process; server exceptions become responses, as on a real server."""
-    return InProcessClient(app_for_tests.create_app(principals, clock))
+    return InProcessClient(apps.create_app(principals, clock))
 
 
 @pytest.fixture

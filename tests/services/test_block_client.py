@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import socket
 import sys
 from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
@@ -26,39 +23,32 @@ from kvsp.errors import (
     LayersUnavailable,
     LeaseQuota,
     NotFound,
+    TransportError,
     Unauthorized,
+    UnsupportedHolder,
 )
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LeaseRequest, ReplicaRecord
 from kvsp.transfer.block_client import (
     BlockClient,
     FetchStats,
-    UnsupportedHolder,
     block_base,
     lease_base,
 )
-from kvsp.transfer.bulk import BulkClient, ConnectionClosed, RequestTimeout
+from kvsp.transfer.bulk import BulkClient, RequestTimeout
+from kvsp.transfer.http11 import ConnectionClosed
 from kvsp.transfer.verify import DEFAULT_HASHING, VerifiedBlock, plan_block
 from kvsp.transfer.verify_slices import SliceBody
-from kvsp.web.client import TransportError
 from kvsp.web.testing import RunningService, start_process
+from tests.support import SUPPORT
+from tests.support import bulk_server as srv
 
-SERVER = Path(__file__).resolve().parent / "bulk_server_for_tests.py"
+SERVER = SUPPORT / "bulk_server.py"
 COMPAT, SCOPE = CompatId(bytes(range(32))), ScopeId(bytes(range(16)))
 KEY = BlockKey(hashlib.sha256(b"block-client").digest())
 T = TypeVar("T")
 
 
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvsp_bulk_server_for_tests", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-srv = _load(SERVER)
 GEOMETRY = srv.GEOMETRY
 EXPECTED = decode_container(srv.block_container(KEY))
 DIGESTS = tuple(EXPECTED.layer_digests())

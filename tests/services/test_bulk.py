@@ -5,48 +5,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsp.transfer.bulk import (
+from kvsp.errors import TransportError
+from kvsp.transfer.bulk import BulkClient, RequestTimeout, split_url
+from kvsp.transfer.http11 import (
     END_OF_MESSAGE,
-    BulkClient,
     BulkLimits,
     BytesBody,
     ConnectionClosed,
     HeaderTooLarge,
     HTTPProtocolError,
-    RequestTimeout,
     ResponseHead,
     ResponseParser,
-    split_url,
 )
-from kvsp.web.client import TransportError
 from kvsp.web.testing import RunningService, start_process
+from tests.support import SUPPORT
+from tests.support import bulk_server as srv
 
-SERVER = Path(__file__).resolve().parent / "bulk_server_for_tests.py"
+SERVER = SUPPORT / "bulk_server.py"
 T = TypeVar("T")
-
-
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvsp_bulk_server_for_tests", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-srv = _load(SERVER)
 
 
 def run(coro: Awaitable[T]) -> T:
@@ -421,9 +406,14 @@ Script = Callable[[bytes, int], Awaitable[bytes | None]]
 
 
 async def scripted(
-    answer: Callable[[bytes, int], bytes | None], *, close_after: bool = False, hang: bool = False
+    answer: Callable[[bytes, int], bytes | None],
+    *,
+    close_after: bool = False,
+    hang: bool = False,
+    closed: asyncio.Event | None = None,
 ) -> tuple[asyncio.Server, str, list[int]]:
-    """A raw server; the list counts the connections it accepted."""
+    """A raw server; the list counts the connections it accepted. ``closed`` is set each time
+    the server has closed a connection."""
     accepted: list[int] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -451,6 +441,10 @@ async def scripted(
             pass
         finally:
             writer.close()
+            if closed is not None:
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
+                closed.set()
 
     srv_ = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = srv_.sockets[0].getsockname()[1]
@@ -496,10 +490,11 @@ def test_close_delimited_body_and_interim_responses() -> None:
 
 def test_idle_connection_closed_by_the_peer_is_retried_for_idempotent_requests() -> None:
     async def main() -> tuple[int, int]:
-        server, base, accepted = await scripted(lambda r, n: OK, close_after=True)
+        closed = asyncio.Event()
+        server, base, accepted = await scripted(lambda r, n: OK, close_after=True, closed=closed)
         async with server, BulkClient() as client:
             await client.request("GET", base)
-            await asyncio.sleep(0.05)  # the server has closed the pooled connection
+            await asyncio.wait_for(closed.wait(), 10)  # the server closed the pooled connection
             status = (await client.request("PUT", base, body=b"x")).status
             return status, len(accepted)
 

@@ -5,58 +5,35 @@ c; a runs one session at a time) and one standalone ``kvsp serve holder``.
 Each test starts from all instances active (the ``cluster`` fixture heals what an earlier test
 drained, killed or froze) and uses prompts of its own, so the tests do not depend on their
 order. Placements are checked against :func:`kvsp.placement.choose_instance` computed from the
-inputs the PC had (``cluster_for_tests.Cluster.place_as_formula``).
+inputs the PC had (``tests.support.cluster.Cluster.place_as_formula``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.support import cluster as cluster_kit
+from tests.support.cluster import PROBLEM, B, hexes, keys_of, prompt_of, reference
+from tests.support.polling import eventually
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def _load_helpers() -> ModuleType:
-    # Loaded by path: tests/ is not a package.
-    path = Path(__file__).resolve().parent / "cluster_for_tests.py"
-    spec = importlib.util.spec_from_file_location("kvsp_cluster_for_tests", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = _load_helpers()
-Cluster = helpers.Cluster
-B = helpers.B
-PROBLEM = helpers.PROBLEM
-eventually = helpers.eventually
-hexes = helpers.hexes
-keys_of = helpers.keys_of
-prompt_of = helpers.prompt_of
-reference = helpers.reference
 
 
 @pytest.fixture(scope="module")
 def running_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Control, holder and instances a, b, c, shared by the module and stopped at its end."""
     folder = tmp_path_factory.mktemp("cluster")
-    cluster = helpers.start_cluster(
+    cluster = cluster_kit.start_cluster(
         folder,
         {"a": ["--batch-size", "1"], "b": [], "c": []},
         [
             *("--status-sweep-ms", "100"),
-            *("--service-prior-us", str(int(helpers.SERVICE_PRIOR_US))),
+            *("--service-prior-us", str(int(cluster_kit.SERVICE_PRIOR_US))),
         ],
     )
     try:
@@ -132,7 +109,7 @@ def test_a_shared_prefix_is_placed_where_it_is_cached_until_a_queue_there_outwei
         eventually(lambda: cluster.row("a")["queued"] >= 1 or None, what="a queue at a")
         busy, decision = cluster.place_as_formula(sharing)
         assert busy["instance"] != a
-        assert busy["cost"] < helpers.SERVICE_PRIOR_US  # below a's wait alone
+        assert busy["cost"] < cluster_kit.SERVICE_PRIOR_US  # below a's wait alone
     finally:
         for sock in held:
             sock.close()
@@ -210,7 +187,7 @@ def test_a_killed_instance_fails_after_its_ttl_and_gets_nothing(cluster: Any) ->
     row = eventually(
         lambda: (r := cluster.row("c"))["state"] == "failed" and r or None, 10, "c failed"
     )
-    assert row["ttl_ms"] == helpers.STATUS_TTL_MS and row["age_ms"] >= row["ttl_ms"]
+    assert row["ttl_ms"] == cluster_kit.STATUS_TTL_MS and row["age_ms"] >= row["ttl_ms"]
     # Nobody withdrew c's replicas (the index is advisory, §6.1), yet nothing goes to c.
     assert all(c in holders for holders in cluster.holders_of(keys_of(cached)))
     for _ in range(3):

@@ -22,7 +22,6 @@ of state, seed and step), paced at a few ms per decode round so that a kill land
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -34,7 +33,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -46,6 +44,8 @@ from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.keys import scope_id
 from kvsp.services.frontend import FrontEnd, FrontendConfig, Token
 from kvsp.web.auth import principal_entry, write_principals
+from tests.support import cluster as cluster_kit
+from tests.support.polling import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -66,20 +66,6 @@ INSTANCES = ("a", "b", "c", "d")
 FRONTEND = FrontendConfig(stall_s=0.3, poll_s=0.03, poll_max_s=0.2, reattach_s=30)
 
 
-def _load_helpers() -> ModuleType:
-    path = Path(__file__).resolve().parent / "cluster_for_tests.py"
-    spec = importlib.util.spec_from_file_location("kvsp_cluster_for_tests", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = sys.modules.get("kvsp_cluster_for_tests") or _load_helpers()
-
-
 @dataclass
 class Failover:
     """The cluster and what the tests need around it."""
@@ -92,7 +78,7 @@ class Failover:
     def frontend(self) -> FrontEnd:
         return FrontEnd(
             self.cluster.control,
-            helpers.CLIENT_TOKEN,
+            cluster_kit.CLIENT_TOKEN,
             scope_id=SCOPE,
             compat_id=COMPAT,
             block_tokens=B,
@@ -114,7 +100,7 @@ class Failover:
             rows = self.cluster.instances().values()
             return sum(row["state"] == "active" for row in rows) >= alive or None
 
-        helpers.eventually(active, timeout=60, what=f"{alive} active instances at the PC")
+        eventually(active, timeout=60, what=f"{alive} active instances at the PC")
 
     def events(self, name: str) -> list[dict[str, Any]]:
         path = self.folder / f"{name}.events"
@@ -129,14 +115,14 @@ def failover(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Failover]:
     write_principals(
         folder / "principals",
         [
-            principal_entry("admin", helpers.ADMIN_TOKEN, ["admin"], None),
-            principal_entry("client", helpers.CLIENT_TOKEN, ["client"], [SCOPE]),
+            principal_entry("admin", cluster_kit.ADMIN_TOKEN, ["admin"], None),
+            principal_entry("client", cluster_kit.CLIENT_TOKEN, ["client"], [SCOPE]),
         ],
     )
-    (folder / "admin.token").write_text(helpers.ADMIN_TOKEN + "\n")
+    (folder / "admin.token").write_text(cluster_kit.ADMIN_TOKEN + "\n")
     (folder / "descriptor.json").write_text(json.dumps(DESCRIPTOR.to_json()))
     (folder / "scope.key").write_text(SCOPE_KEY.hex())
-    cluster = helpers.Cluster(folder, httpx.Client(timeout=60))
+    cluster = cluster_kit.Cluster(folder, httpx.Client(timeout=60))
     token = str(folder / "admin.token")
     descriptor = ("--descriptor", str(folder / "descriptor.json"))
     try:
@@ -336,7 +322,7 @@ def test_a_zombie_is_rejected_and_never_reaches_the_caller(failover: Failover) -
         ]
         return found or None
 
-    stale = helpers.eventually(rejected, timeout=20, what="the zombie's checkpoint rejected")
+    stale = eventually(rejected, timeout=20, what="the zombie's checkpoint rejected")
     assert {e["problem"] for e in stale} == {"kvsp-stale-epoch"} and {
         e["epoch"] for e in stale
     } == {1}
@@ -344,7 +330,7 @@ def test_a_zombie_is_rejected_and_never_reaches_the_caller(failover: Failover) -
     # from it are those it delivered before the freeze.
     moves = [e for e in failover.events("pc") if e["event"] == "move" and e["session"] == session]
     assert moves and moves[0]["previous"] == zombie_url
-    helpers.eventually(
+    eventually(
         lambda: failover.cluster.row(zombie)["state"] == "active" or None,
         timeout=20,
         what="the zombie to re-register with a new epoch",
@@ -384,7 +370,7 @@ def test_kvsp_generate_prints_the_stream(failover: Failover) -> None:
     expected = reference(prompt, 12, Sampling(**TOP_P, seed=3))
     folder = failover.folder
     client_token = folder / "client.token"
-    client_token.write_text(helpers.CLIENT_TOKEN + "\n")
+    client_token.write_text(cluster_kit.CLIENT_TOKEN + "\n")
     command = [
         *(sys.executable, "-m", "kvsp", "generate", "--pc", failover.cluster.control),
         *("--token-file", str(client_token), "--descriptor", str(folder / "descriptor.json")),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Iterator
@@ -21,11 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvsp.errors import BadRequest
+from kvsp.errors import BadRequest, SessionFailed
 from kvsp.ids import CompatId, ScopeId
-from kvsp.services.frontend import FrontEnd, FrontendConfig, SessionFailed, Token
+from kvsp.services.frontend import FrontEnd, FrontendConfig, Token
 from kvsp.web.problems import dumps_json
 from kvsp.web.runner import bind_socket
+from tests.support.polling import eventually
 
 SCOPE = ScopeId(b"\x05" * 16)
 COMPAT = CompatId(b"\x06" * 32)
@@ -126,10 +126,7 @@ def script() -> Iterator[Script]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the scripted server did not start"
-        time.sleep(0.01)
+    eventually(lambda: server.started, 10, "the scripted server to start", interval=0.01)
     script.base = f"http://127.0.0.1:{sock.getsockname()[1]}/"
     try:
         yield script

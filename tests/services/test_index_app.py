@@ -20,6 +20,7 @@ import pytest
 
 from kvsp import errors
 from kvsp.compat import CompatibilityDescriptor, compat_id
+from kvsp.errors import RemoteError, TransportError, UnsupportedMediaType
 from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
 from kvsp.index import ReplicaStore
 from kvsp.records import (
@@ -35,15 +36,10 @@ from kvsp.services.index.client import IndexClient
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.auth import Principals, principal_entry
-from kvsp.web.client import (
-    RemoteError,
-    TransportError,
-    error_from_problem,
-    problem_error,
-)
+from kvsp.web.client import error_from_problem, problem_error
 from kvsp.web.clock import ManualClock
-from kvsp.web.http import UnsupportedMediaType
 from kvsp.web.testing import InProcessClient
+from tests.support.polling import until
 
 T = TypeVar("T")
 PREFIX = "urn:ietf:params:kvsp:problem:"
@@ -725,12 +721,12 @@ def test_sweeper_removes_expired_records_in_chunks(env: Env) -> None:
     index = env.app.state.index
     config = IndexConfig(sweep_interval_s=0.01, sweep_chunk=4, gc_freeze_interval_s=None)
 
+    async def swept() -> bool:
+        return await env.store.count() == 3
+
     async def sweep_a_while() -> int:
         async with index_lifespan(index, env.clock, config):
-            for _ in range(200):
-                await asyncio.sleep(0.01)
-                if await env.store.count() == 3:
-                    break
+            await until(swept, 2, "the expired records swept")
         return await env.store.count()
 
     assert env.run(sweep_a_while()) == 3
@@ -741,10 +737,7 @@ def test_heap_keeper_freezes_survivors(env: Env) -> None:
 
     async def keep_a_while() -> int:
         async with index_lifespan(env.app.state.index, env.clock, config):
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if gc.get_freeze_count():
-                    break
+            await until(gc.get_freeze_count, 1, "a gc.freeze()")
         return gc.get_freeze_count()
 
     try:

@@ -53,6 +53,7 @@ from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.clock import ManualClock
 from kvsp.web.testing import RunningService, start_process
+from tests.support.polling import until
 
 T = TypeVar("T")
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=8, kv_dtype="fp16", block_tokens=4)
@@ -342,13 +343,18 @@ def test_status_loop_reports_every_third_of_the_ttl_and_at_once_on_a_change(
 
     async def scenario() -> None:
         options = {"status_loop": True, "status_ttl_ms": 600}
+        # The loop keeps time with the event loop, not with the clock: elapsed loop time is the
+        # only witness of its period, so the waits below are polls bounded by that period.
         async with running_agent(tmp_path, clock, control, **options) as agent:
-            await asyncio.sleep(0.5)  # a report every 200 ms: at 0, 200 and 400 ms
-            assert len(control.statuses) >= 2
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await until(lambda: len(control.statuses) >= 3)  # at 0, 200 and 400 ms
+            assert loop.time() - began < 1.0  # reports every ttl (600 ms) would take 1.2 s
             before = len(control.statuses)
+            changed = loop.time()  # just after a report: the next is 200 ms away
             agent.change_state(InstanceState.DRAINING)  # idle: on to sleeping, reported now
-            await asyncio.sleep(0.05)
-            assert len(control.statuses) > before
+            await until(lambda: len(control.statuses) > before)
+            assert loop.time() - changed < 0.15  # not the next periodic report
             assert control.statuses[-1].state is InstanceState.SLEEPING
 
     run(scenario())
@@ -367,8 +373,7 @@ def test_generate_publishes_computed_blocks_and_reuses_them(tmp_path: Path) -> N
             session, tokens = await generate(agent, prompt, 5)
             assert (session.loaded_blocks, session.computed_blocks) == (0, 3)
             assert tokens == await reference_tokens(prompt, 5)
-            while len(agent.holder.store) < 3:
-                await asyncio.sleep(0.005)
+            await until(lambda: len(agent.holder.store) >= 3)
             keys = block_keys(SCOPE_KEY, COMPAT, prompt, 4)
             mine = {r.block_key for r in control.published if r.holder == URL}
             assert mine == set(keys)

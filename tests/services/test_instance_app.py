@@ -38,6 +38,7 @@ from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.transfer.block_client import BlockClient
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.clock import ManualClock
+from tests.support.polling import until
 
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=8, kv_dtype="fp16", block_tokens=4)
 COMPAT = compat_id(DESCRIPTOR)
@@ -302,8 +303,7 @@ def test_generate_streams_ndjson_and_serves_its_blocks(tmp_path: Path) -> None:
         assert [line["token"] for line in lines] == await reference(prompt, 6)
 
         keys = block_keys(SCOPE_KEY, COMPAT, prompt, 4)
-        while len(env.agent.holder.store) < 2:
-            await asyncio.sleep(0.005)
+        await until(lambda: len(env.agent.holder.store) >= 2)
         url = f"blocks/{COMPAT.hex()}/{SCOPE.hex()}/{keys[1].hex()}"
         block = await env.http.get(url, headers=CLIENT)
         assert block.status_code == 200

@@ -10,10 +10,10 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -24,8 +24,9 @@ from kvsp.ids import uri_id
 from kvsp.keys import block_keys, scope_id
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
+from tests.support.polling import eventually
 
-T = TypeVar("T")
+pytestmark = pytest.mark.slow  # control plane, holder and instance, each a process
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=8, kv_dtype="fp16", block_tokens=4)
 COMPAT = compat_id(DESCRIPTOR)
 SCOPE_KEY = bytes(range(7, 39))
@@ -58,17 +59,6 @@ class Cluster:
         assert answer.status_code == 200, answer.text
         result: dict[str, Any] = answer.json()
         return result
-
-
-def eventually(check: Callable[[], T | None], timeout: float = 15.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 def reference(prompt: list[int], count: int) -> tuple[list[int], list[bytes]]:
@@ -149,8 +139,17 @@ def test_instance_registers_active_with_measured_rates(cluster: Cluster) -> None
     status = cluster.http.get(f"{cluster.instance.base_url}status", headers=AUTH).json()
     assert status["prefill_tokens_per_s"] > 0 and status["decode_tokens_per_s"] > 0
     first_age = row["age_ms"]
-    time.sleep(0.6)  # reports come at least every ttl/3 = 500 ms
-    assert registered() is not None and eventually(registered)["age_ms"] < 1500
+    seen = time.monotonic()
+
+    def refreshed() -> dict[str, Any] | None:
+        """The row once a report that arrived after ``seen`` is the PC's record."""
+        asked = time.monotonic()  # the PC measures the age after this
+        now = registered()
+        return now if now is not None and now["age_ms"] < (asked - seen) * 1000 else None
+
+    # reports come at least every ttl/3 = 500 ms: a newer one arrives within the ttl
+    again = eventually(refreshed, 1.5, "a status report newer than the first row")
+    assert again["state"] == "active" and again["age_ms"] < 1500
     assert first_age < 1500
 
 

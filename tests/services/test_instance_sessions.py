@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,6 +49,7 @@ from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.transfer.block_client import BlockClient
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.clock import ManualClock
+from tests.support.polling import until
 
 T = TypeVar("T")
 DESCRIPTOR = toy_descriptor(layers=2, kv_heads=2, head_dim=8, kv_dtype="fp16", block_tokens=4)
@@ -188,14 +189,6 @@ async def open_session(
 
 async def drain(live: LiveSession, start: int = 0) -> list[tuple[int, int]]:
     return [pair async for pair in live.stream(start)]
-
-
-async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.005)
 
 
 # --- checkpoints and the release gate --------------------------------------------------------

@@ -4,12 +4,9 @@ one real process (an instance that runs a directive), and a real MOQT relay for 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-import time
 import uuid
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
@@ -25,22 +22,12 @@ from kvsp.records import InstanceStatusRecord, ReplicaRecord
 from kvsp.registries import InstanceState
 from kvsp.web.testing import InProcessClient, start_process
 from moqt.certs import make_self_signed
+from tests.support import SUPPORT
+from tests.support import operations as ops
+from tests.support import relay_kit as kit
+from tests.support.polling import eventually, until
 
-HERE = Path(__file__).resolve().parent
-HELPERS = HERE / "operations_for_tests.py"
-
-
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ops = _load(HELPERS, "kvsp_operations_for_tests")
+HELPERS = SUPPORT / "operations.py"
 COMPAT = compat_id(ops.DESCRIPTOR)
 SCOPE_HEX = ops.SCOPE.hex()
 KEYS = block_keys(ops.SCOPE_KEY, COMPAT, list(range(16)), 4)
@@ -280,10 +267,11 @@ def test_instance_process_counts_its_directives_and_state(tmp_path: Path) -> Non
         with httpx.Client(base_url=service.base_url, headers=ops.ADMIN, timeout=10) as http:
             assert http.post("prefetch", json=directive).status_code == 202
             where = f"prefetch/{directive['directive']}"
-            for _ in range(500):  # the IS knows no replica: it fails at once
-                if http.get(where).json()["state"] != "pending":
-                    break
-                time.sleep(0.01)
+            eventually(  # the IS knows no replica: it fails at once
+                lambda: http.get(where).json()["state"] != "pending",
+                timeout=5,
+                what="the directive to end",
+            )
             text = http.get("metrics").text
     assert value(text, "kvsp_directive_outcomes_total", outcome="failed") == 1
     assert value(text, "kvsp_directive_outcomes_total", outcome="complete") == 0
@@ -292,7 +280,6 @@ def test_instance_process_counts_its_directives_and_state(tmp_path: Path) -> Non
 
 
 def test_relay_counts_moqt_payload_octets(tmp_path: Path) -> None:
-    kit = _load(HERE.parent / "relay" / "relay_testkit.py", "kvsp_relay_testkit_for_metrics")
     certs = make_self_signed("localhost", tmp_path / "certs")
     block = kit.make_block(7, layers=3, size=4096)
     payload = sum(len(layer) for layer in block.layers)
@@ -308,7 +295,7 @@ def test_relay_counts_moqt_payload_octets(tmp_path: Path) -> None:
             ):
                 objects = await kit.fetch_all(consumer, block.track, len(block.layers))
                 assert [bytes(o.payload) for o in objects] == list(block.layers)
-            await kit.until(lambda: not relay._peers)
+            await until(lambda: not relay._peers)
             transport = httpx.ASGITransport(app=face)
             async with httpx.AsyncClient(transport=transport, base_url="http://face/") as http:
                 return (await http.get("/metrics", headers=ops.METRICS)).text

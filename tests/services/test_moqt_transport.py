@@ -15,17 +15,23 @@ from pathlib import Path
 import pytest
 
 from kvsp.container import Geometry, Layer, encode_container, replica_digest
-from kvsp.errors import DigestMismatch, Incompatible, LayersUnavailable, NotFound, RecordError
+from kvsp.errors import (
+    DigestMismatch,
+    Incompatible,
+    LayersUnavailable,
+    NotFound,
+    RecordError,
+    TransportError,
+)
 from kvsp.ids import BlockKey, CompatId, ScopeId
-from kvsp.records import ReplicaRecord, encode_moqt_namespace
+from kvsp.moqt_mapping import encode_moqt_namespace, kv_namespace
+from kvsp.records import ReplicaRecord
 from kvsp.transfer.block_client import BlockClient
 from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.transfer.moqt_publisher import LiveTracks, MemoryBlocks, StoredBlock, serve_blocks
 from kvsp.transfer.moqt_transfer import parse_moqt_uri
-from kvsp.web.client import TransportError
 from moqt.backend import get_backend
 from moqt.certs import make_self_signed
-from moqt.namespace import kv_namespace
 
 GEOMETRY = Geometry(layers=32, kv_heads=2, head_dim=32, element_size=2)
 TOKENS = 16

@@ -6,10 +6,8 @@ from its document (test_schemathesis.py)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jsonschema_rs
@@ -43,19 +41,8 @@ from kvsp.records import (
 from kvsp.services.instance.requests import GenerateRequest
 from kvsp.web.openapi import OPERATIONS, SCHEMAS, openapi_document, undocumented_routes
 from kvsp.web.testing import InProcessClient
+from tests.support import operations as ops
 
-
-def _load_helpers() -> ModuleType:
-    path = Path(__file__).resolve().parent / "operations_for_tests.py"
-    spec = importlib.util.spec_from_file_location("kvsp_operations_for_tests", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ops = _load_helpers()
 COMPAT = compat_id(ops.DESCRIPTOR)
 KEYS = block_keys(ops.SCOPE_KEY, COMPAT, list(range(16)), 4)
 H = [k.hex() for k in KEYS]

@@ -26,6 +26,8 @@ from kvsp.errors import (
     Incompatible,
     NotFound,
     StaleEpoch,
+    TransportError,
+    UpstreamError,
 )
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.index import IndexService
@@ -46,11 +48,9 @@ from kvsp.services.pc.service import (
     PCConfig,
     PlacementController,
     ScaleUpHook,
-    UpstreamRefused,
 )
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
-from kvsp.web.client import TransportError
 from kvsp.web.clock import ManualClock
 
 T = TypeVar("T")
@@ -424,7 +424,7 @@ def test_operator_change_fails_with_502_and_changes_nothing_when_the_instance_fa
     assert unreachable.value.status == 502
     s.peers.unreachable.clear()
     s.peers.refusing.add(A)
-    with pytest.raises(UpstreamRefused) as refused:
+    with pytest.raises(UpstreamError) as refused:
         run(s.pc.set_state(A, DRAINING))
     assert refused.value.status == 502
     assert s.state(A) is ACTIVE and s.peers.states == []

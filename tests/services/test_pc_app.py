@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
-from kvsp.errors import Conflict, NotActive, StaleEpoch
+from kvsp.errors import Conflict, NotActive, StaleEpoch, TransportError
 from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
 from kvsp.records import (
     InstanceStatusRecord,
@@ -30,7 +30,6 @@ from kvsp.services.pc.service import PCConfig
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web.auth import Principals, principal_entry
-from kvsp.web.client import TransportError
 from kvsp.web.clock import ManualClock
 from kvsp.web.testing import InProcessClient
 

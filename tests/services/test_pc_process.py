@@ -1,5 +1,5 @@
 """The PC as a real process: ``kvsp serve control`` (IS + PC) and ``kvsp serve index`` +
-``kvsp serve pc`` apart, with fake instances (``fake_instance_for_tests.py``) whose HTTP face
+``kvsp serve pc`` apart, with fake instances (``tests/support/fake_instance.py``) whose HTTP face
 and status reporter are separate uvicorn/httpx processes, so a test can kill the reporter and
 watch the instance fail while its HTTP face records that nothing more arrives."""
 
@@ -10,8 +10,7 @@ import hashlib
 import json
 import signal
 import sys
-import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,10 +25,12 @@ from kvsp.services.index.client import IndexClient
 from kvsp.services.pc.client import PCClient
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
+from tests.support import SUPPORT
+from tests.support.polling import eventually
 
+pytestmark = pytest.mark.slow  # the control plane and fake instances, each a process
 T = TypeVar("T")
-HERE = Path(__file__).resolve().parent
-FAKE = HERE / "fake_instance_for_tests.py"
+FAKE = SUPPORT / "fake_instance.py"
 SCOPE = ScopeId(b"\x0c" * 16)
 DESCRIPTOR = CompatibilityDescriptor(
     model="m",
@@ -171,14 +172,6 @@ def publish(index_url: str) -> None:
     run(scenario())
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
-
-
 def test_control_places_directs_and_fails_an_instance_that_stops_reporting(
     world: World,
 ) -> None:
@@ -228,7 +221,7 @@ def test_control_places_directs_and_fails_an_instance_that_stops_reporting(
 
     reporter_a.proc.send_signal(signal.SIGKILL)
     reporter_a.proc.wait()
-    wait_until(lambda: run(states())[a_url] is InstanceState.FAILED)
+    eventually(lambda: run(states())[a_url] is InstanceState.FAILED, 10, "a failed at the PC")
     second = run(place("req-2"))
     assert second.instance == b_url and second.directive is not None
     assert len(received(a_log, "prefetch")) == 1  # a failed instance receives nothing

@@ -1,5 +1,6 @@
 """Resharding with real processes (spec §6.9): the PC's shard-map face and four instances, each a
-uvicorn server on 127.0.0.1 (``reshard_for_tests.py``), talking HTTP with their own tokens.
+uvicorn server on 127.0.0.1 (``tests/support/reshard_peers.py``), talking HTTP with their own
+tokens.
 
 A 64k-token context goes 3 → 2 → 4 → 3 instances. After every committed version the shards,
 read back over HTTP from their instances, give the original cache bit for bit; each instance's
@@ -14,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import json
 import signal
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -31,27 +30,16 @@ import pytest
 from kvsp.container import decode_container
 from kvsp.engine.shards import TokenPages, container_parts, gather_kv, seeded_kv, token_bytes
 from kvsp.engine.toy import toy_descriptor
-from kvsp.errors import Conflict, NotFound
+from kvsp.errors import Conflict, NotFound, TransportError
 from kvsp.services.instance.reshard import HttpRangeFetcher
 from kvsp.web.auth import principal_entry, write_principals
-from kvsp.web.client import TransportError
 from kvsp.web.http import parse_repr_digest
 from kvsp.web.testing import RunningService, start_process
+from tests.support import SUPPORT
+from tests.support import reshard_peers as rt
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # real processes: about a minute
-HELPER = Path(__file__).resolve().parent / "reshard_for_tests.py"
-
-
-def _load_helper() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvsp_tests_reshard", HELPER)
-    if spec is None or spec.loader is None:
-        raise ImportError(HELPER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rt = _load_helper()
+HELPER = SUPPORT / "reshard_peers.py"
 GEOMETRY = rt.GEOMETRY
 CONTEXT = rt.CONTEXT
 TOKEN = token_bytes(GEOMETRY)

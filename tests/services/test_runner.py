@@ -14,6 +14,7 @@ import pytest
 
 from kvsp.web.runner import base_url, bind_socket, write_ready_file
 from kvsp.web.testing import RunningService, ServiceStartError, start_process
+from tests.support import SUPPORT
 
 PROBLEM = "application/problem+json"
 KVSP = {"content-type": "application/kvsp+json"}
@@ -127,7 +128,7 @@ def test_bad_principals_file_fails_the_start(tmp_path: Path) -> None:
     bad.write_text("[[principal]]\nname = 'x'\n")
     folder = tmp_path / "run"
     folder.mkdir()
-    script = Path(__file__).with_name("app_for_tests.py")
+    script = SUPPORT / "apps.py"
     with pytest.raises(ServiceStartError, match="token_sha256"):
         start_process([sys.executable, str(script), "--principals", str(bad)], workdir=folder)
 

@@ -24,12 +24,10 @@ request breaking one of them gets a documented 400/403 problem, which is right.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import uuid
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -45,20 +43,11 @@ from kvsp.container import encode_container
 from kvsp.index import holder_id_of
 from kvsp.keys import block_keys
 from kvsp.web.testing import start_process
+from tests.support import SUPPORT
+from tests.support import operations as ops
 
-HELPERS = Path(__file__).resolve().parent / "operations_for_tests.py"
-
-
-def _load_helpers() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvsp_operations_for_tests", HELPERS)
-    if spec is None or spec.loader is None:
-        raise ImportError(HELPERS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ops = _load_helpers()
+pytestmark = pytest.mark.slow  # a process per service, each exercised operation by operation
+HELPERS = SUPPORT / "operations.py"
 MAX_EXAMPLES = 20
 FEWER_EXAMPLES = {"POST /replicas": 8}
 """Batches of whole Replica Records take long to generate; each record is also exercised alone

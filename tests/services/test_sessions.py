@@ -24,6 +24,7 @@ from kvsp.errors import (
     IllegalTransition,
     NotFound,
     StaleEpoch,
+    TransportError,
 )
 from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
 from kvsp.index import IndexService
@@ -53,9 +54,9 @@ from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.stores.sessions import MemorySessionStore, SessionStore
 from kvsp.web.auth import Principals, principal_entry
-from kvsp.web.client import TransportError
 from kvsp.web.clock import ManualClock
 from kvsp.web.testing import InProcessClient
+from tests.support.polling import until
 
 T = TypeVar("T")
 SCOPE = ScopeId(b"\x0a" * 16)
@@ -472,18 +473,30 @@ def test_failover_moves_a_session_to_a_new_instance_at_the_next_epoch(tmp_path: 
     assert moved.status_code == 200 and moved.json()["output_offset"] == 6
 
 
-def test_failover_without_instances_fails_the_session_at_the_deadline(tmp_path: Path) -> None:
+def test_failover_without_instances_fails_the_session_at_the_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings = SessionSettings(deadline_ms=5_000, backoff_ms=1, backoff_max_ms=1)
     control = Control(tmp_path, settings)
     control.report(A)
     assert control.place().status_code == 200
     assert control.put(checkpoint(4), "ia").status_code == 200
+    choices: list[str | None] = []
+    choose = control.pc.choose_for_resume
+
+    async def noted(cp: SessionCheckpoint, excluded: set[str]) -> str | None:
+        choices.append(await choose(cp, excluded))
+        return choices[-1]
+
+    monkeypatch.setattr(control.pc, "choose_for_resume", noted)
 
     async def fail_a() -> None:
         control.clock.advance(3_000)
         control.pc.sweep()
         await control.pc.sessions.recover()
-        await asyncio.sleep(0.05)
+        # The move found no instance, backed off and asked again: the deadline is what it waits on.
+        await until(lambda: len(choices) >= 3, what="three tries to find an instance")
+        assert choices[:3] == [None, None, None]
         record = await control.pc.sessions.get(SESSION)
         assert record.state is SessionState.SERVING  # still trying
         control.clock.advance(5_000)

@@ -9,16 +9,20 @@ from pathlib import Path
 import pytest
 
 from kvsp.container import Geometry, decode_container, encode_container, replica_digest
-from kvsp.errors import Conflict, ContainerError, RecordError
+from kvsp.errors import (
+    BlockLeased,
+    Conflict,
+    ContainerError,
+    InsufficientStorage,
+    RecordError,
+)
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.registries import Tier
 from kvsp.stores.blocks import (
-    BlockLeased,
     BlockMeta,
     BlockRef,
     BlockStore,
     CudaBackend,
-    InsufficientStorage,
     StoreConfig,
     Victim,
     cuda_backend,

@@ -34,6 +34,7 @@ from kvsp.stores.redis_sessions import RedisSessionStore  # noqa: E402
 from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
 from kvsp.web.testing import RunningService, start_process  # noqa: E402
 
+pytestmark = pytest.mark.slow  # PC and IS processes sharing one Redis
 SCOPE = ScopeId(b"\x0f" * 16)
 A = "https://pc-proc-a.example/kvsp/"
 B = "https://pc-proc-b.example/kvsp/"

@@ -5,45 +5,33 @@ connections, then in separate OS processes, put checkpoints of mixed epochs and 
 once the epoch moved on, and the kept offset is the highest accepted. Racing ``begin`` on a shard
 map lets exactly one attempt start. Plus what is particular to the Redis stores: the keys carry
 their hash tags, two stores on one Redis see each other's state, and an unreachable Redis is
-:class:`~kvsp.stores.base.StoreUnavailable`."""
+:class:`~kvsp.errors.StoreUnavailable`."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import secrets
 import subprocess
 import sys
 import uuid
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 redis = pytest.importorskip("redis")
 
-from kvsp.stores.base import StoreUnavailable  # noqa: E402
+from kvsp.errors import StoreUnavailable  # noqa: E402
 from kvsp.stores.redis import parse_store_url  # noqa: E402
 from kvsp.stores.redis_sessions import RedisSessionStore  # noqa: E402
 from kvsp.stores.redis_shardmaps import RedisShardMaps  # noqa: E402
 from kvsp.stores.shardmaps import BeginOutcome  # noqa: E402
+from tests.support import SUPPORT  # noqa: E402
+from tests.support import pc_race as race  # noqa: E402
 
-HELPER = Path(__file__).with_name("pc_race_for_tests.py")
+HELPER = SUPPORT / "pc_race.py"
 WRITERS = 6
 PROCESSES = 4
-
-
-def _load_helper() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pc_race_for_tests", HELPER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-race = _load_helper()
 
 
 def check_round(events: list[list[list[Any]]], epoch: int) -> list[int]:

@@ -23,7 +23,7 @@ pytest.importorskip("redis")
 import redis  # noqa: E402
 
 from kvsp.compat import CompatibilityDescriptor, compat_id  # noqa: E402
-from kvsp.errors import BadRequest  # noqa: E402
+from kvsp.errors import BadRequest, StoreUnavailable  # noqa: E402
 from kvsp.ids import BlockKey, CompatId, ScopeId  # noqa: E402
 from kvsp.index import holder_id_of  # noqa: E402
 from kvsp.records import (  # noqa: E402
@@ -35,7 +35,6 @@ from kvsp.records import (  # noqa: E402
 )
 from kvsp.registries import InstanceState, Tier  # noqa: E402
 from kvsp.services.index.app import IndexConfig, create_index_app  # noqa: E402
-from kvsp.stores.base import StoreUnavailable  # noqa: E402
 from kvsp.stores.descriptors import DescriptorRegistry  # noqa: E402
 from kvsp.stores.redis import (  # noqa: E402
     RecordCache,
@@ -47,6 +46,7 @@ from kvsp.stores.redis import (  # noqa: E402
 )
 from kvsp.web.auth import Principals, principal_entry  # noqa: E402
 from kvsp.web.clock import ManualClock  # noqa: E402
+from tests.support.polling import until  # noqa: E402
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 COMPAT = CompatId(b"\x01" * 32)
@@ -393,16 +393,12 @@ def test_descriptor_sync_keeps_running_in_the_background(
     here = SharedDescriptors(None, store, interval_s=0.01)
     there = SharedDescriptors(None, store, interval_s=0.01)
 
-    async def scenario() -> bool:
+    async def scenario() -> None:
         async with here.syncing(), there.syncing():
             here.add(DESCRIPTOR)
-            for _ in range(200):
-                await asyncio.sleep(0.01)
-                if there.get(compat_id(DESCRIPTOR)) is not None:
-                    return True
-        return False
+            await until(lambda: there.get(compat_id(DESCRIPTOR)), 2, "the descriptor over there")
 
-    assert runner.run(scenario())
+    runner.run(scenario())
 
 
 class _CancelLosingStore:
@@ -429,8 +425,7 @@ def test_descriptor_sync_stops_even_when_a_cancel_is_lost() -> None:
 
     async def scenario() -> None:
         async with shared.syncing():
-            while store.calls < 3:
-                await asyncio.sleep(0.005)
+            await until(lambda: store.calls >= 3)
 
     loop = asyncio.new_event_loop()
     try:

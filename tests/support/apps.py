@@ -1,6 +1,6 @@
 """A small service used by the service-shell tests, in-process and as a real uvicorn process.
 
-Run as ``python tests/services/app_for_tests.py --ready-file F [--principals P]``.
+Run as ``python tests/support/apps.py --ready-file F [--principals P]``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A holder-like test server for the bulk path and the block client, as a real uvicorn process.
 
-Run as ``python tests/services/bulk_server_for_tests.py --ready-file F``. Each first path
+Run as ``python tests/support/bulk_server.py --ready-file F``. Each first path
 segment is a "holder" with its own behaviour, so one process stands for several holders:
 
 * ``good/``      serves blocks correctly (``Content-Length`` body, ``Repr-Digest``)

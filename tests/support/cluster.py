@@ -2,8 +2,8 @@
 serve control`` (IS + PC), one standalone ``kvsp serve holder`` and toy-engine instances
 (``kvsp serve instance --engine toy``), all sharing one principals file.
 
-Loaded by path (``tests/`` is not a package). :class:`Cluster` starts, kills, freezes and
-restarts the processes and wraps the HTTP calls the tests make; every wait is a bounded poll.
+:class:`Cluster` starts, kills, freezes and restarts the processes and wraps the HTTP calls the
+tests make; every wait is a bounded poll (:func:`tests.support.polling.eventually`).
 :func:`expected_choice` recomputes a placement with :func:`kvsp.placement.choose_instance` from
 the inputs the PC had: the instances' status records, the PC's view of their load and service
 times, and the IS's replica records.
@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -38,10 +38,10 @@ from kvsp.registries import InstanceState
 from kvsp.services.pc.service import PCConfig
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
+from tests.support.polling import eventually
 
 PC_DEFAULTS = PCConfig()  # the control plane runs with the default assumed link
 
-T = TypeVar("T")
 
 # Wide states make a block dear to recompute (3 * width^2 multiply-adds per token and layer)
 # next to its octets (2 * width per token and layer), so that on this toy engine, as on a real
@@ -61,22 +61,6 @@ SERVICE_PRIOR_US = 10_000_000.0
 instance adds 10 s to its §6.4 ``wait_us``."""
 PROBLEM = "urn:ietf:params:kvsp:problem:"
 INSTANCE_STATES = ("active", "draining", "sleeping", "failed")
-
-
-def eventually(check: Callable[[], T | None], timeout: float = 20.0, what: str = "") -> T:
-    """Poll ``check`` every 50 ms until it returns something other than ``None``.
-
-    Raises:
-        AssertionError: it did not within ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not met within {timeout} s: {what or check}")
-        time.sleep(0.05)
 
 
 def keys_of(prompt: Sequence[int]) -> list[BlockKey]:

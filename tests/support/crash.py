@@ -1,11 +1,10 @@
-"""Real KVSP processes to SIGKILL (issue 9, crashes): ``kvsp serve control``, ``kvsp serve
+"""Real KVSP processes to SIGKILL, for the crash tests: ``kvsp serve control``, ``kvsp serve
 holder``, ``kvsp serve instance --engine toy`` and ``python -m relay.app``, on 127.0.0.1, all
 sharing one principals file; blocks with their digests computed here; a layer sink that kills a
 process when a chosen layer of a transfer begins (so the kill lands mid-transfer, not before or
 after it); bounded polls.
 
-Loaded by ``test_crashes.py`` (on ``sys.path`` through pytest's rootdir) and by path from
-``bench/bench_crash.py``.
+Imported by the crash tests and by ``bench/bench_crash.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -39,8 +38,8 @@ from kvsp.keys import block_keys, scope_id
 from kvsp.records import ReplicaRecord
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
+from tests.support.polling import eventually
 
-T = TypeVar("T")
 ADMIN_TOKEN = "reliability-admin-token-0123456789abcdef"
 CLIENT_TOKEN = "reliability-client-token-0123456789abcde"
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -72,22 +71,6 @@ SMALL = _descriptor(
 TOY = toy_descriptor(layers=2, kv_heads=4, head_dim=128, kv_dtype="int8", block_tokens=32)
 """What the toy-engine instances compute: 64 KiB blocks of 32 tokens."""
 DESCRIPTORS = {"big": BIG, "small": SMALL, "toy": TOY}
-
-
-def eventually(check: Callable[[], T | None], timeout: float = 15.0, what: str = "") -> T:
-    """Poll ``check`` every 50 ms until it returns something other than ``None``.
-
-    Raises:
-        AssertionError: it did not within ``timeout`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not met within {timeout} s: {what or check}")
-        time.sleep(0.05)
 
 
 # --- blocks --------------------------------------------------------------------------------------

@@ -4,16 +4,11 @@ arbitrary JSON trees and tree mutations, and the fuzz targets of ``interop/fuzz`
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 from typing import Any
 
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # interop/ is a folder of tools, not an installed package
-
-from interop.fuzz import targets  # noqa: E402
+from interop.fuzz import targets
 
 __all__ = ["DELETE", "json_values", "mutate_tree", "mutated", "paths_in", "targets"]
 

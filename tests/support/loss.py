@@ -1,4 +1,4 @@
-"""KV blocks over MOQT through :class:`~interop.lossy_proxy.LossyProxy` (issue 9, lossy network).
+"""KV blocks over MOQT through :class:`~interop.lossy_proxy.LossyProxy` (a lossy network).
 
 Two topologies, all in one event loop over real UDP on 127.0.0.1:
 
@@ -10,7 +10,7 @@ Two topologies, all in one event loop over real UDP on 127.0.0.1:
 
 Blocks are 2 MiB (32 layers of 64 KiB, one object per layer); :func:`check_block` verifies every
 layer of what the client handed out against digests computed here, independently of the
-client's own checks. Used by ``test_loss.py`` and, loaded by path, by ``bench/bench_loss.py``.
+client's own checks. Used by the loss tests and by ``bench/bench_loss.py``.
 """
 
 from __future__ import annotations
@@ -18,31 +18,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from interop.lossy_proxy import Impairment as Impairment  # re-exported
+from interop.lossy_proxy import LossyProxy as LossyProxy  # re-exported
 from kvsp.container import Geometry, encode_container, replica_digest
 from kvsp.ids import BlockKey, CompatId, ScopeId
-from kvsp.records import ReplicaRecord, encode_moqt_namespace
+from kvsp.moqt_mapping import encode_moqt_namespace, kv_namespace
+from kvsp.records import ReplicaRecord
 from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.transfer.moqt_publisher import MemoryBlocks, MoqtBlockPublisher, StoredBlock
 from kvsp.transfer.moqt_transfer import parse_moqt_uri
 from kvsp.transfer.verify import VerifiedBlock
 from moqt.asyncio import connect
 from moqt.backend import get_backend
-from moqt.namespace import kv_namespace
 from relay.relay import Relay, RelayConfig
 from relay.upstream import UpstreamConfig
-
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # interop/ is a folder of tools, not an installed package
-
-from interop.lossy_proxy import Impairment as Impairment  # noqa: E402 - re-exported
-from interop.lossy_proxy import LossyProxy as LossyProxy  # noqa: E402 - re-exported
 
 GEOMETRY = Geometry(layers=32, kv_heads=8, head_dim=128, element_size=2)
 TOKENS = 16  # 32 KiB sections: 64 KiB objects, a 2 MiB block

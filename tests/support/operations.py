@@ -1,7 +1,7 @@
 """Every KVSP service app, built with in-memory neighbours, in-process or served by a real
 uvicorn process on 127.0.0.1 (for the metrics, logs and OpenAPI tests).
 
-Run as ``python operations_for_tests.py SERVICE --ready-file F`` it serves that app with
+Run as ``python tests/support/operations.py SERVICE --ready-file F`` it serves that app with
 :func:`kvsp.web.runner.serve` (JSON logs at ``--log-level``) until SIGTERM.
 
 Outbound calls never leave the process: the PC's directives go to :class:`RefusingPeers`, and

@@ -1,8 +1,8 @@
-"""Racing writers of the PC's Redis stores (issue 8: "the epoch and checkpoint rules hold under
-concurrent writers"), used by tests/stores/test_redis_pc_stores.py both in-process (one
-connection per writer) and as separate OS processes::
+"""Racing writers of the PC's Redis stores (the epoch and checkpoint rules of §6.8 and §6.9 hold
+under concurrent writers), used by the Redis PC store tests both in-process (one connection per
+writer) and as separate OS processes::
 
-    python pc_race_for_tests.py URL SESSION_HEX EPOCH SEED MAP ATTEMPT GO_KEY
+    python tests/support/pc_race.py URL SESSION_HEX EPOCH SEED MAP ATTEMPT GO_KEY
 
 A process waits for an item on the Redis list ``GO_KEY`` (so that all start together), then
 runs :func:`session_writer` for ``EPOCH`` and, at once, a ``begin`` of version 2 of ``MAP``

@@ -265,13 +265,6 @@ def block_track(block: Block) -> dict[tuple[TrackNamespace, bytes], Track]:
     return {block.track: Track(block.objects())}
 
 
-async def until(check: Any, timeout: float = 5.0) -> None:
-    """Wait until ``check()`` is true."""
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
-
-
 def run(coro: Any, timeout: float = 30.0) -> Any:
     """Run a test coroutine with a deadline."""
     return asyncio.run(asyncio.wait_for(coro, timeout))

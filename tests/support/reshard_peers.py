@@ -1,7 +1,7 @@
 """The PC's shard-map face and the instance's reshard face (spec §6.9) for the reshard tests,
 in-process and as real uvicorn processes.
 
-Run as ``python tests/services/reshard_for_tests.py pc|instance --principals P --token-file T
+Run as ``python tests/support/reshard_peers.py pc|instance --principals P --token-file T
 --ready-file F [--deadline-ms N] [--message-timeout-s S]``. The context is sharded with
 :data:`GEOMETRY` (2 layers, 2 KV heads, head_dim 16, fp16: 256 octets per token, 16 MiB for
 64k tokens); the test fills it with :func:`kvsp.engine.shards.seeded_kv`.

@@ -1,4 +1,4 @@
-"""A crash loop (issue 9): replicas SIGKILLed at random points of a transfer, again and again.
+"""A crash loop: replicas SIGKILLed at random points of a transfer, again and again.
 
 Run: ``.venv/bin/python -m bench.bench_crash [--iterations N] [--scenario holder|relay|both]
 [--seed S]`` (or ``.venv/bin/python bench/bench_crash.py``).

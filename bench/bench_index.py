@@ -17,7 +17,7 @@ TTL (``lookup``) or renders the answer's JSON as the server does (``find`` + JSO
 :class:`~kvsp.services.index.client.IndexClient` (the answer decoded and checked as records) and
 as raw bytes (server + transfer only). The load runs in two threads while (a) builds, since the
 server's decoding on the other core is the long pole.
-(c) Redis (issue 8), once (a) and (b) are done: a ``redis-server`` of its own (or
+(c) Redis, once (a) and (b) are done: a ``redis-server`` of its own (or
 ``--redis-url``) loaded with the same records through ``publish_batch`` over
 :class:`~kvsp.stores.redis.RedisStore` (pipelined script calls, 2 batches in flight; the load
 time is printed), then the same lookups in-process and over HTTP against a ``kvsp serve index

@@ -1,5 +1,5 @@
 """Load: many clients against a real Index Service process, many subscribers on one real relay
-(issue 9 "Load"; spec §6.1-6.2 over HTTP, DESIGN.md §4 live tracks over MOQT).
+(spec §6.1-6.2 over HTTP, DESIGN.md §4 live tracks over MOQT).
 
 * **IS**: ``--clients`` concurrent clients (default 64), each its own principal with its own
   scope and holder, against ``kvsp serve index`` for ``--seconds``: each first publishes 16

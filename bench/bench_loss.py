@@ -1,4 +1,4 @@
-"""Goodput of verified 2 MiB block FETCHes through a lossy network, side by side (issue 9).
+"""Goodput of verified 2 MiB block FETCHes through a lossy network, side by side.
 
 Run: ``.venv/bin/python -m bench.bench_loss [--rounds N] [--blocks B] [--kinds client-relay,...]``
 (or ``.venv/bin/python bench/bench_loss.py``).

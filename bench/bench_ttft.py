@@ -1,6 +1,6 @@
 """Time to first token of the reference engine with 0 %, 50 % and 95 % of the prompt cached and
 loaded over HTTP and over MOQT through the relay, against full recompute, with the overlap
-ratio of layer-wise loading (issue 6; DESIGN.md §4–6).
+ratio of layer-wise loading (DESIGN.md §4–6).
 
 One run, one small seeded model (``init_model``), the engine in this process, two real server
 processes: a ``kvsp serve holder`` (HTTP) and a ``kvsp serve relay --open`` (MOQT). Every

@@ -1,6 +1,6 @@
 """Run the benchmarks in ``bench/`` in one go and write ``bench/report.md`` with tables and PNG
 plots: goodput by transport, lookup latency CDF, TTFT against prompt length, cached and
-recomputed (issue 8, "Bench report").
+recomputed.
 
 Each benchmark runs as its own process, one after another (so none measures beside another),
 in a quick mode with small sizes (``--quick``) or with its defaults. Those that write

@@ -1,4 +1,4 @@
-"""A lossy UDP proxy on loopback, for QUIC (MOQT) under loss (issue 9, "Lossy network").
+"""A lossy UDP proxy on loopback, for QUIC (MOQT) under loss.
 
 It sits between a QUIC client and a QUIC server, or between an edge relay and its upstream
 relay: datagrams from each client address go to the target from a socket of their own (one

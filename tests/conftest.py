@@ -16,6 +16,10 @@ from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The service-shell fixtures (clock, principals, client, service, start_service) serve the
+# tests of kvsp.web, kvsp.transfer and every service part alike.
+pytest_plugins = ["tests.support.service_fixtures"]
+
 # Hypothesis profiles: "ci" (derandomized, so a CI run tries the same examples every time; the
 # default when $CI is set) and "dev" (random, as hypothesis is by default). Choose with
 # HYPOTHESIS_PROFILE=ci|dev; tests keep their own max_examples either way.

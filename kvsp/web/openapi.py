@@ -5,7 +5,7 @@ types, authentication).
 The document of an app is built from the app's own routes: every ``(method, path template)`` it
 serves is looked up in :data:`OPERATIONS`, so a service describes exactly what it serves. A
 route with no entry is left out of the document and named by :func:`undocumented_routes`; the
-test suite fails on any (``tests/services/test_openapi.py``), so a resource added without its
+test suite fails on any (``tests/web/test_openapi.py``), so a resource added without its
 description does not go unnoticed.
 
 Record schemas are JSON Schema 2020-12 written from the record classes (:mod:`kvsp.records`,

@@ -1,4 +1,4 @@
-"""Reuse over MOQT through the relay is exact (issue 6 acceptance, second half; DESIGN.md §4–6;
+"""Reuse over MOQT through the relay is exact (DESIGN.md §4–6;
 spec §4.3, §6.5, §6.7).
 
 In process: engine A's blocks are pushed into a real relay (:class:`RelayLink`, real UDP) and

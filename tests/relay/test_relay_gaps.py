@@ -1,4 +1,4 @@
-"""Relay gaps closed (issue 5): concurrent FETCH misses of one track and range share one
+"""Relay gaps closed: concurrent FETCH misses of one track and range share one
 upstream fetch, and PUBLISH_NAMESPACE is forwarded to the upstream relay so it routes requests
 for the namespace down to the edge (and withdrawn when the last publisher leaves)."""
 

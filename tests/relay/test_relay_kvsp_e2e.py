@@ -1,5 +1,5 @@
-"""KVSP end to end through the relay, every part a real process on 127.0.0.1 (issue 5 acceptance;
-DESIGN.md §1, §4; spec §4.4, §6.1, §6.2, §6.6, §6.7).
+"""KVSP end to end through the relay, every part a real process on 127.0.0.1
+(DESIGN.md §1, §4; spec §4.4, §6.1, §6.2, §6.6, §6.7).
 
 ``kvsp serve control`` (IS and PC), ``kvsp serve relay --index`` (a caching relay that is a
 KVSP holder) and ``kvsp serve instance --relay`` (toy engine, 10 layers). The instance computes

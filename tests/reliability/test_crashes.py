@@ -1,4 +1,4 @@
-"""Crashes (issue 9): real processes SIGKILLed mid-transfer or mid-directive while clients run.
+"""Crashes: real processes SIGKILLed mid-transfer or mid-directive while clients run.
 
 * a holder mid-GET: the client falls through to the next replica, or, with none left, reports
   that it has no block (the caller recomputes); every delivered layer is checked here;

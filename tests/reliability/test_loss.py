@@ -1,4 +1,4 @@
-"""Block transfers over MOQT through a lossy network (issue 9): 2 MiB blocks FETCHed by the
+"""Block transfers over MOQT through a lossy network: 2 MiB blocks FETCHed by the
 verifying client through a relay at 1 %, 5 % and 10 % datagram loss (and with reordering,
 duplication and jitter), on the client's session to the relay and on an edge relay's session
 to its upstream relay. Each block is fetched once, with no retry above QUIC, so aioquic's loss

@@ -1,4 +1,4 @@
-"""Short load runs against real processes (issue 9 "Load"; the minute-long campaign is
+"""Short load runs against real processes (the minute-long campaign is
 ``bench/bench_load.py``): 64 concurrent clients against ``kvsp serve index`` for about five
 seconds, and 100 MOQT subscribers on one ``kvsp serve relay`` receiving a published track.
 

@@ -1,5 +1,5 @@
 """schemathesis against every service, on a real uvicorn server on 127.0.0.1, driven by the
-service's own ``GET /openapi.json`` (issue 8 "Operations", issue 9 "Bad input").
+service's own ``GET /openapi.json``.
 
 Each operation gets ``MAX_EXAMPLES`` generated requests (valid and invalid by the schema),
 sent with an admin token, and every answer is checked:

@@ -1,5 +1,5 @@
 """Three Index Service and two PC processes on one Redis (``kvsp serve index|pc --store
-redis://…``; issue 8 acceptance): a publish through one IS is seen through the others; a
+redis://…``): a publish through one IS is seen through the others; a
 session placed and checkpointed through one PC is read through the other, whose answers follow
 the shared epoch: a checkpoint of a lower epoch sent to it is ``kvsp-stale-epoch`` (§6.8 MUST)."""
 

@@ -1,5 +1,5 @@
-"""The PC's Redis stores under concurrent writers (issue 8 acceptance: "the epoch and
-checkpoint rules hold under concurrent writers (a test races them)"): writers on separate
+"""The PC's Redis stores under concurrent writers (the epoch and
+checkpoint rules hold under concurrent writers): writers on separate
 connections, then in separate OS processes, put checkpoints of mixed epochs and offsets and race
 ``advance_epoch``; exactly one advance wins per epoch, no checkpoint of a lower epoch is taken
 once the epoch moved on, and the kept offset is the highest accepted. Racing ``begin`` on a shard

@@ -1,8 +1,8 @@
-"""Three Index Service processes on one Redis (``kvsp serve index --store redis://…``; issue 8
-acceptance): a publish through one is seen by lookups through the others at once, a SIGKILLed
-and restarted IS loses no record, expiry holds across processes and the sweepers remove the
-records, descriptors registered through one are learnt by the others, and a lookup through HTTP
-costs Redis exactly one command (an ``EVALSHA`` of the lookup script, counted in its slowlog)."""
+"""Three Index Service processes on one Redis (``kvsp serve index --store redis://…``): a publish
+through one is seen by lookups through the others at once, a SIGKILLed and restarted IS loses no
+record, expiry holds across processes and the sweepers remove the records, descriptors registered
+through one are learnt by the others, and a lookup through HTTP costs Redis exactly one command (an
+``EVALSHA`` of the lookup script, counted in its slowlog)."""
 
 from __future__ import annotations
 

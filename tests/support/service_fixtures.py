@@ -1,4 +1,5 @@
-"""Fixtures for the service-shell tests: the test app in-process and as a real process."""
+"""Fixtures for the service-shell tests (kvsp.web, kvsp.transfer, kvsp.services): the test app
+in-process and as a real process. A pytest plugin, loaded by ``tests/conftest.py``."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO
 
 # The service-shell fixtures (clock, principals, client, service, start_service) serve the
 # tests of kvsp.web, kvsp.transfer and every service part alike.

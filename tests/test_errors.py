@@ -11,11 +11,10 @@ import pkgutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import kvsp
 from kvsp import errors
 from kvsp.errors import KVSPError
+from tests.support import REPO
 
-ROOT = Path(kvsp.__file__).resolve().parents[1]
 PACKAGES = ("kvsp", "relay")
 """Walked from their folders: under pytest ``import relay`` may find ``tests/relay`` first."""
 OPTIONAL = frozenset({"torch", "redis"})
@@ -25,7 +24,7 @@ ALLOWED_IMPORTS = frozenset({"__future__", "typing", "collections.abc"})
 
 
 def _modules(package: str) -> Iterator[str]:
-    for info in pkgutil.walk_packages([str(ROOT / package)], package + "."):
+    for info in pkgutil.walk_packages([str(REPO / package)], package + "."):
         if info.name.rsplit(".", 1)[-1] != "__main__":
             yield info.name
 

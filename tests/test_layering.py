@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO
+
 PACKAGES = ("kvsp", "moqt", "relay", "interop")
 
 LAYERS: tuple[tuple[str, str], ...] = (

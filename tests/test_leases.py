@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import itertools
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from hypothesis import strategies as st
@@ -13,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvsp import errors
 from kvsp.leases import Lease, LeaseQuota, LeaseTable
+from tests.support import REPO
 
 K1, K2, K3 = (bytes([i]) * 32 for i in range(1, 4))
 QUOTA = LeaseQuota(max_octets_per_client=1000, max_ttl_ms=10_000, max_leases_per_client=3)
@@ -163,7 +163,7 @@ def test_quota_config_is_checked(field: str) -> None:
 
 
 def test_module_is_sans_io() -> None:
-    source = Path(__file__).resolve().parents[1] / "kvsp" / "leases.py"
+    source = REPO / "kvsp" / "leases.py"
     imported: set[str] = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):

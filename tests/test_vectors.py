@@ -21,8 +21,9 @@ from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.container import Geometry, decode_container, verify_container
 from kvsp.ids import parse_digest
 from kvsp.keys import block_keys, scope_id
+from tests.support import REPO
 
-VECTORS = Path(__file__).resolve().parents[1] / "interop" / "vectors"
+VECTORS = REPO / "interop" / "vectors"
 
 
 def load(name: str) -> list[dict[str, Any]]:

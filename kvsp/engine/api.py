@@ -56,7 +56,12 @@ def step_draw(seed: int, step: int) -> bytes:
     return hashlib.sha256(SAMPLER_LABEL + _STEP_INPUT.pack(seed, step)).digest()
 
 
-def _check_param(key: str, value: float, path: str) -> None:
+def check_sampling_param(key: str, value: object, path: str) -> None:
+    """Check one sampler parameter's value (the method's own rules: k, p, temperature).
+
+    Raises:
+        RecordError: not a finite number, or out of the parameter's range; ``path`` names it.
+    """
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise RecordError("expected a finite number", path=path)
     if key == "k" and (value != int(value) or value < 1):
@@ -93,7 +98,7 @@ class Sampling:
         for key, value in self.params.items():
             if key not in allowed:
                 raise RecordError(f"{self.method} takes no such parameter", path=f"$.params.{key}")
-            _check_param(key, value, f"$.params.{key}")
+            check_sampling_param(key, value, f"$.params.{key}")
         needed = _REQUIRED.get(self.method)
         if needed is not None and needed not in self.params:
             raise RecordError(f"{self.method} needs {needed}", path=f"$.params.{needed}")

@@ -13,14 +13,13 @@ Methods: ``greedy`` (no params; ties go to the lowest id), ``temperature`` (``te
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
 
-from kvsp.engine.api import SAMPLING_METHODS, step_draw
+from kvsp.engine.api import SAMPLING_METHODS, check_sampling_param, step_draw
 from kvsp.errors import RecordError
 from kvsp.fields import Fields
 
@@ -53,7 +52,7 @@ class Sampler:
         for key, value in self.params.items():
             if key not in allowed:
                 raise RecordError(f"{self.method}: unknown parameter", path=f"$.params.{key}")
-            _check_param(key, value)
+            check_sampling_param(key, value, f"$.params.{key}")
         needed = {"temperature": "temperature", "top-k": "k", "top-p": "p"}.get(self.method)
         if needed is not None and needed not in self.params:
             raise RecordError(f"{self.method} needs {needed}", path=f"$.params.{needed}")
@@ -124,15 +123,3 @@ class Sampler:
         except RecordError as exc:
             raise RecordError(exc.detail, path=path + (exc.path or "$")[1:]) from None
         return sampler, f.integer("step", maximum=_UINT64)
-
-
-def _check_param(key: str, value: object) -> None:
-    path = f"$.params.{key}"
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RecordError("expected a finite number", path=path)
-    if key == "k" and (value != int(value) or value < 1):
-        raise RecordError("k must be an integer >= 1", path=path)
-    if key == "p" and not 0 < value <= 1:
-        raise RecordError("p must be in (0, 1]", path=path)
-    if key == "temperature" and value <= 0:
-        raise RecordError("temperature must be > 0", path=path)

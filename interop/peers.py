@@ -161,6 +161,8 @@ class PeerProcess:
     log: Path
     url: str = ""
     keep: list[object] = field(default_factory=list)
+    carriers: list[str] = field(default_factory=list)
+    """Our relay's QMux carrier URIs (``moqt+tls://``, ``moqt+tcp://``, ``moqt+unix://``)."""
 
     def output(self) -> str:
         """Everything it has written so far."""
@@ -453,6 +455,18 @@ asyncio.run(main())
 """
 
 
+MOQRS_CONNECT = r"""
+import asyncio, sys, moq
+moq.log_level("info")  # its "connected version=…" line names the MOQT version agreed
+URL, HOLD = sys.argv[1], float(sys.argv[2])
+async def main():
+    async with moq.Client(URL, tls_verify=False, reconnect=False):
+        print("CLIENT connected", flush=True)
+        await asyncio.sleep(HOLD)
+asyncio.run(asyncio.wait_for(main(), HOLD + 10))
+"""
+
+
 def object_lines(output: str, tag: str) -> dict[int, tuple[int, str]]:
     """``{object id: (length, sha256 hex)}`` from the ``TAG id length sha256`` lines a peer
     script printed."""
@@ -494,15 +508,21 @@ def start_moqrs_relay(workdir: Path) -> PeerProcess:
     return peer
 
 
-def start_our_relay(workdir: Path, *extra: str) -> PeerProcess:
+def start_our_relay(
+    workdir: Path, *extra: str, qmux_tcp: bool = False, qmux_unix: Path | None = None
+) -> PeerProcess:
     """This project's relay (``python -m relay.app``) in its open plain-relay mode on
-    ephemeral loopback ports; ``url`` is its MOQT URI (from the ready file's ``"moqt"``).
+    ephemeral loopback ports; ``url`` is its MOQT URI (from the ready file's ``"moqt"``),
+    ``carriers`` its QMux carrier URIs (the ready file's ``"carriers"``).
 
     Started as ``python -m relay.app --open --listen 127.0.0.1:0 --state DIR --ready-file
-    FILE`` plus ``extra``; its ready file is JSON ``{"moqt": …, "http": …}``.
+    FILE`` plus ``extra``, plus ``--qmux-tcp-listen 127.0.0.1:0`` with ``qmux_tcp`` and
+    ``--qmux-unix PATH`` with ``qmux_unix`` (keep that path short: a Unix socket path has at
+    most 107 octets); its ready file is JSON ``{"moqt": …, "http": …, "carriers": […]}``.
 
     Raises:
-        PeerUnavailable: ``relay.app`` does not exist yet, or did not start in open mode.
+        PeerUnavailable: ``relay.app`` (or, for a QMux carrier, ``moqt.qmux_asyncio``) does not
+            exist yet, the relay did not start in open mode, or it lacks an asked-for carrier.
     """
     import importlib.util
     import json
@@ -513,9 +533,17 @@ def start_our_relay(workdir: Path, *extra: str) -> PeerProcess:
         found = False
     if not found:
         raise PeerUnavailable("relay.app does not exist yet (the relay is being written)")
+    if (qmux_tcp or qmux_unix is not None) and importlib.util.find_spec(
+        "moqt.qmux_asyncio"
+    ) is None:
+        raise PeerUnavailable("moqt.qmux_asyncio does not exist yet (QMux is being written)")
     ready = workdir / "relay-ready.json"
     argv = [sys.executable, "-m", "relay.app", "--open", "--listen", "127.0.0.1:0"]
     argv += ["--state", str(workdir / "relay-state"), "--ready-file", str(ready), *extra]
+    if qmux_tcp:
+        argv += ["--qmux-tcp-listen", "127.0.0.1:0"]
+    if qmux_unix is not None:
+        argv += ["--qmux-unix", str(qmux_unix)]
     peer = start("kvsp-relay", argv, workdir, env={"PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -528,9 +556,53 @@ def start_our_relay(workdir: Path, *extra: str) -> PeerProcess:
             continue
         url = str(info.get("moqt", ""))
         peer.url = url if url.startswith("moqt://") else f"moqt://{url}"
+        peer.carriers = [str(uri) for uri in info.get("carriers", [])]
+        schemes = {uri.split("://", 1)[0] for uri in peer.carriers}
+        wanted = {"moqt+tcp"} if qmux_tcp else set()
+        wanted |= {"moqt+unix"} if qmux_unix is not None else set()
+        if not wanted <= schemes:
+            peer.stop()
+            raise PeerUnavailable(f"relay.app lists no {sorted(wanted - schemes)} carrier: {info}")
         return peer
     peer.stop()
     raise PeerUnavailable(f"relay.app --open wrote no ready file: {peer.output()[-800:]}")
+
+
+def moqrs_url(carrier: str) -> str:
+    """The moq-rs 0.5.1 client URL for one of our carrier URIs.
+
+    moq-rs dials MOQT over QMux on plain TCP as ``tcp://host:port/path`` and on a Unix socket
+    as ``unix:///abs/path``; raw QUIC keeps ``moqt://``. It has no QMux-over-TLS client
+    (``tls://``-like schemes are refused; ``wss://`` is QMux inside WebSocket), so
+    ``moqt+tls://`` has no moq-rs form.
+
+    Raises:
+        ValueError: ``moqt+tls://`` or an unknown scheme.
+    """
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(carrier)
+    if parts.scheme == "moqt":
+        return carrier
+    if parts.scheme == "moqt+tcp":
+        return f"tcp://{parts.netloc}{parts.path or '/'}"
+    if parts.scheme == "moqt+unix":
+        return f"unix://{parts.path}"
+    raise ValueError(f"moq-rs 0.5.1 cannot dial {carrier!r}")
+
+
+def carrier(peer: PeerProcess, scheme: str) -> str:
+    """``peer``'s carrier URI with this scheme (``moqt`` gives its QUIC URL).
+
+    Raises:
+        PeerUnavailable: it lists no such carrier.
+    """
+    if scheme == "moqt":
+        return peer.url
+    for uri in peer.carriers:
+        if uri.startswith(scheme + "://"):
+            return uri
+    raise PeerUnavailable(f"{peer.name} lists no {scheme}:// carrier: {peer.carriers}")
 
 
 def scratch(prefix: str = "kvsp-interop-") -> Path:

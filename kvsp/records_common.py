@@ -27,6 +27,9 @@ MAX_NAME_LENGTH = 128
 
 URI_SCHEMES = frozenset({"https", "http", "moqt"})
 HTTP_SCHEMES = frozenset({"https", "http"})
+CARRIER_SCHEMES = frozenset({"moqt+tls", "moqt+tcp", "moqt+unix"})
+"""``moqt_carriers`` (DESIGN §4): the MOQT-over-QMux endpoints a holder offers beside its QUIC
+``moqt://`` URI (TLS 1.3 over TCP, plain TCP, a Unix domain socket on the holder's host)."""
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _NAME = re.compile(r"[A-Za-z0-9._~-]+")
 _URI_FORBIDDEN = re.compile(r"[\x00-\x20\x7f\"<>\\^`{|}]")

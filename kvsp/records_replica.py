@@ -3,7 +3,9 @@
 A Replica Record says where a copy of one block is, which layers sit in which tier, and how to
 verify it. A record served over MOQT carries a ``moqt://`` holder and ``moqt_namespace``, the
 base64url of the five Track Namespace Fields each preceded by a one-octet length (DESIGN §4;
-:mod:`kvsp.moqt_mapping` reads and writes it).
+:mod:`kvsp.moqt_mapping` reads and writes it), and may list ``moqt_carriers``, the same
+holder's MOQT-over-QMux endpoints (``moqt+tls``, ``moqt+tcp``, ``moqt+unix`` URIs, fastest
+first; an extension member that others ignore, §4.4).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvsp.fields import Fields
 from kvsp.ids import BlockKey, CompatId, ScopeId, format_digest
 from kvsp.moqt_mapping import format_moqt_namespace, read_moqt_namespace, split_namespace_octets
 from kvsp.records_common import (
+    CARRIER_SCHEMES,
     HTTP_SCHEMES,
     UINT32_MAX,
     as_list,
@@ -89,6 +92,17 @@ def _read_residency(f: Fields, layer_count: int | None) -> tuple[Residency, ...]
     return entries
 
 
+MAX_CARRIERS = 8
+
+
+def _read_carriers(value: object, path: str) -> tuple[str, ...]:
+    """``moqt_carriers``: 1..8 distinct ``moqt+tls``/``moqt+tcp``/``moqt+unix`` URIs."""
+    uris = read_uris(value, path, nonempty=True, unique=True, schemes=CARRIER_SCHEMES)
+    if len(uris) > MAX_CARRIERS:
+        raise RecordError(f"at most {MAX_CARRIERS} carriers", path=path)
+    return uris
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReplicaRecord:
     """A Replica Record (§4.4): one holder's copy of one block.
@@ -97,6 +111,9 @@ class ReplicaRecord:
     ``"sha-256:<hex32>"``. ``layer_digests`` and ``residency`` are optional but never empty;
     ``moqt_namespace`` is required when ``holder`` is a ``moqt`` URI. ``lease_base`` is our
     extension member (DESIGN §4): the HTTP base where leases on a relay-held replica are taken.
+    ``moqt_carriers``, another extension member, lists the holder's MOQT-over-QMux endpoints
+    (fastest first); a client uses one only where it names the holder's own host
+    (:mod:`kvsp.transfer.moqt_carriers`).
     ``moqt_namespace`` holds the namespace octets (fields with their length octets); see
     :func:`~kvsp.moqt_mapping.split_namespace_octets`. ``codec`` is any uint16; whether it is
     registered matters to whoever decodes the block, not to the index.
@@ -114,6 +131,7 @@ class ReplicaRecord:
     ttl_ms: int
     moqt_namespace: bytes | None = None
     lease_base: str | None = None
+    moqt_carriers: tuple[str, ...] | None = None
 
     @classmethod
     def from_json(cls, obj: object, path: str = "$") -> Self:
@@ -133,6 +151,9 @@ class ReplicaRecord:
             # §4.4: a replica served over MOQT has a moqt holder *and* a moqt_namespace.
             raise RecordError("required when holder is a moqt URI", path=f.at("moqt_namespace"))
         lease_base = f.raw("lease_base", optional=True)
+        carriers = f.raw("moqt_carriers", optional=True)
+        if carriers is not None and uri_scheme(holder) != "moqt":
+            raise RecordError("only a moqt holder offers carriers", path=f.at("moqt_carriers"))
         return cls(
             block_key=BlockKey(f.hex32("block_key")),
             compat_id=CompatId(f.hex32("compat_id")),
@@ -150,6 +171,9 @@ class ReplicaRecord:
             lease_base=None
             if lease_base is None
             else read_uri(lease_base, f.at("lease_base"), HTTP_SCHEMES),
+            moqt_carriers=None
+            if carriers is None
+            else _read_carriers(carriers, f.at("moqt_carriers")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -172,6 +196,8 @@ class ReplicaRecord:
             out["moqt_namespace"] = format_moqt_namespace(self.moqt_namespace)
         if self.lease_base is not None:
             out["lease_base"] = self.lease_base
+        if self.moqt_carriers is not None:
+            out["moqt_carriers"] = list(self.moqt_carriers)
         return out
 
     @property

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
-from .backend import TransportConfig, get_backend
+from .backend import TransportConfig, backend_of, get_backend
 from .errors import SessionError
 from .messages import (
     AuthToken,
@@ -559,13 +559,37 @@ class MOQTConnection(ObjectSender):
 # --- connect and serve ---------------------------------------------------------------------------
 
 
+def client_session_config(
+    config: SessionConfig | None,
+    authority: str | None,
+    path: str | None,
+    auth_token: bytes | None,
+) -> SessionConfig:
+    """A client's session settings: ``path`` and ``authority`` (unless ``config`` names one)
+    as setup parameters, ``auth_token`` appended as an AUTHORIZATION TOKEN (USE_VALUE, type 0).
+    """
+    config = config or SessionConfig()
+    tokens = config.authorization_tokens
+    if auth_token is not None:
+        token = AuthToken(
+            alias_type=TokenAliasType.USE_VALUE, token_type=0, token_value=bytes(auth_token)
+        )
+        tokens = (*tokens, token)
+    return replace(
+        config,
+        path=path if path is not None else config.path,
+        authority=config.authority if config.authority is not None else authority,
+        authorization_tokens=tokens,
+    )
+
+
 @contextlib.asynccontextmanager
 async def connect(
     host: str,
     port: int,
     *,
     configuration: Any,
-    backend: str = "aioquic",
+    backend: str | None = None,
     path: str | None = None,
     auth_token: bytes | None = None,
     session_config: SessionConfig | None = None,
@@ -574,28 +598,15 @@ async def connect(
 ) -> AsyncIterator[MOQTConnection]:
     """Connect, complete the MOQT setup, yield the connection; close it on exit.
 
-    ``configuration`` is a client ``QuicConfiguration`` of ``backend``
-    (:meth:`moqt.backend.Backend.configuration`); ``auth_token`` travels as an AUTHORIZATION
-    TOKEN setup parameter (USE_VALUE, type 0).
+    ``configuration`` is a client ``QuicConfiguration`` of ``backend`` (None: the backend it
+    belongs to, :func:`moqt.backend.backend_of`; :meth:`moqt.backend.Backend.configuration`);
+    ``auth_token`` travels as an AUTHORIZATION TOKEN setup parameter (USE_VALUE, type 0).
 
     Raises:
         SessionClosedError: the session ended during setup. ConnectionError: no handshake.
     """
-    quic_backend = get_backend(backend)
-    config = session_config or SessionConfig()
-    tokens = config.authorization_tokens
-    if auth_token is not None:
-        token = AuthToken(
-            alias_type=TokenAliasType.USE_VALUE, token_type=0, token_value=bytes(auth_token)
-        )
-        tokens = (*tokens, token)
-    authority = config.authority if config.authority is not None else f"{host}:{port}"
-    config = replace(
-        config,
-        path=path if path is not None else config.path,
-        authority=authority,
-        authorization_tokens=tokens,
-    )
+    quic_backend = get_backend(backend_of(configuration) if backend is None else backend)
+    config = client_session_config(session_config, f"{host}:{port}", path, auth_token)
     setup = ProtocolSetup(True, config, transport or TransportConfig(), MOQTConnection)
     library = importlib.import_module(f"{quic_backend.name}.asyncio.client")
     cls = protocol_class(quic_backend)
@@ -645,13 +656,15 @@ async def serve(
     *,
     configuration: Any,
     handler: Handler,
-    backend: str = "aioquic",
+    backend: str | None = None,
     session_config: SessionConfig | None = None,
     transport: TransportConfig | None = None,
 ) -> MOQTServer:
     """Listen on ``host:port`` (port 0 picks one); call ``handler(connection)`` after each
-    client's setup. A handler that raises closes its session with INTERNAL_ERROR."""
-    quic_backend = get_backend(backend)
+    client's setup (``backend`` None: the one ``configuration`` belongs to,
+    :func:`moqt.backend.backend_of`). A handler that raises closes its session with
+    INTERNAL_ERROR."""
+    quic_backend = get_backend(backend_of(configuration) if backend is None else backend)
     setup = ProtocolSetup(
         False, session_config or SessionConfig(), transport or TransportConfig(), MOQTConnection
     )
@@ -662,7 +675,7 @@ async def serve(
 
     def create_protocol(quic: Any, stream_handler: Any = None, **_: Any) -> Any:
         protocol = cls(quic, stream_handler, setup=setup)
-        task = loop.create_task(_run_handler(protocol.moqt, handler))
+        task = loop.create_task(run_handler(protocol.moqt, handler))
         holder[0].tasks.add(task)
         task.add_done_callback(holder[0].tasks.discard)
         return protocol
@@ -680,7 +693,9 @@ async def serve(
     return holder[0]
 
 
-async def _run_handler(connection: MOQTConnection, handler: Handler) -> None:
+async def run_handler(connection: MOQTConnection, handler: Handler) -> None:
+    """Wait for ``connection``'s setup, then run ``handler`` on it; a handler that raises
+    closes the session with INTERNAL_ERROR."""
     try:
         await connection.wait_setup()
     except SessionClosedError:

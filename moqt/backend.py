@@ -1,4 +1,11 @@
-"""The QUIC backend seam: aioquic (default) or qh3, chosen per process.
+"""The QUIC backend seam: qh3 or aioquic, chosen per process, and the measured default.
+
+:func:`default_backend` is the fastest backend installed: qh3 (the ``quic-fast`` extra) before
+aioquic, the order ``bench/bench_moqt.py`` measures (bench/NOTES.md). Every MOQT process and
+client takes it unless told otherwise, and :class:`TransportConfig` defaults to
+:data:`DEFAULT_DATAGRAM_SIZE` (1,452 bytes: a 1,500-byte Ethernet MTU less IPv4 and UDP
+headers, RFC 9000 §14) with path-MTU probing where the backend does it (qh3, RFC 9000 §14.3).
+:func:`transport_banner` is the line a service logs at start-up.
 
 Both libraries share aioquic's shape (``QuicConfiguration``, a sans-I/O ``QuicConnection``, the
 same event classes), so the MOQT session runs on either. What differs, and lives here:
@@ -42,6 +49,8 @@ ALPN_MOQT_16 = "moqt-16"
 DEFAULT_SOCKET_BUFFER = 4 << 20  # perf.md: the default 212 KiB UDP buffer drops datagrams
 MAX_DATAGRAM_FRAME_SIZE = 65536  # d16 §3.1: QUIC DATAGRAM MUST be negotiated
 BACKENDS = ("aioquic", "qh3")
+PREFERENCE = ("qh3", "aioquic")  # fastest first (bench/bench_moqt.py; bench/NOTES.md)
+DEFAULT_DATAGRAM_SIZE = 1452  # 1500-byte MTU - 20 (IPv4) - 8 (UDP) - 20 spare (RFC 9000 §14)
 AIOQUIC_MAX_DATAGRAM = 16384  # aioquic writes STREAM/CRYPTO lengths as 2-byte varints (< 16384)
 QUIC_V2 = 0x6B3343CF  # RFC 9369 renumbers the long packet types
 
@@ -70,15 +79,42 @@ class QuicConnectionLike(Protocol):
         """Close the connection with an application error code."""
 
 
+class SessionBackend(Protocol):
+    """What :class:`~moqt.session.MOQTSession` needs of its transport beside the connection:
+    the event classes to dispatch on and a few library-specific answers. A QUIC
+    :class:`Backend` (aioquic, qh3) and :data:`moqt.qmux.QMUX_BACKEND` both satisfy it."""
+
+    @property
+    def name(self) -> str:
+        """The transport's name ("aioquic", "qh3", "qmux")."""
+
+    @property
+    def events(self) -> ModuleType:
+        """The module of the connection's event classes (aioquic's names)."""
+
+    def can_open_stream(self, quic: Any, *, unidirectional: bool) -> bool:
+        """Whether a new local stream stays within the peer's stream-count limit."""
+
+    def send_buffer_size(self, quic: Any, stream_id: int) -> int:
+        """Bytes the stream still holds for sending."""
+
+    def quiet(self, quic: Any) -> None:
+        """Turn off per-packet work a connection does for an absent logger."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransportConfig:
     """QUIC knobs shared by both backends; None keeps the library default.
 
-    ``socket_buffer`` is applied by :mod:`moqt.asyncio` as SO_RCVBUF/SO_SNDBUF on every QUIC
-    socket. ``congestion_control`` is honoured where the backend offers a choice (aioquic).
+    ``max_datagram_size`` defaults to :data:`DEFAULT_DATAGRAM_SIZE` (None: the library's own,
+    1,200 bytes for aioquic). ``probe_path_mtu`` turns on path-MTU discovery where the backend
+    does it (qh3; a client-side probe, RFC 9000 §14.3). ``socket_buffer`` is applied by
+    :mod:`moqt.asyncio` as SO_RCVBUF/SO_SNDBUF on every QUIC socket. ``congestion_control`` is
+    honoured where the backend offers a choice (aioquic).
     """
 
-    max_datagram_size: int | None = None
+    max_datagram_size: int | None = DEFAULT_DATAGRAM_SIZE
+    probe_path_mtu: bool = True
     max_data: int | None = None
     max_stream_data: int | None = None
     congestion_control: str | None = None
@@ -130,6 +166,8 @@ class Backend:
             value = getattr(transport, name)
             if value is not None:
                 setattr(config, name, value)
+        if hasattr(config, "probe_datagram_size"):
+            config.probe_datagram_size = transport.probe_path_mtu
         if transport.congestion_control is not None and hasattr(
             config, "congestion_control_algorithm"
         ):
@@ -145,6 +183,10 @@ class Backend:
         if not verify:
             config.verify_mode = ssl.CERT_NONE
         return config
+
+    def probes_path_mtu(self, transport: TransportConfig) -> bool:
+        """Whether this backend runs path-MTU discovery with ``transport`` (qh3 does)."""
+        return transport.probe_path_mtu and self.name == "qh3"
 
     def can_open_stream(self, quic: Any, *, unidirectional: bool) -> bool:
         """Whether a new local stream stays within the peer's stream-count limit.
@@ -201,29 +243,66 @@ def _load(name: str) -> Backend:
     )
 
 
-@cache
-def get_backend(name: str = "aioquic") -> Backend:
-    """The backend called ``name`` ("aioquic" or "qh3"), loaded once per process.
+def get_backend(name: str | None = None) -> Backend:
+    """The backend called ``name`` ("aioquic" or "qh3"; None: :func:`default_backend`),
+    loaded once per process.
 
     Raises:
         ValueError: an unknown name.
         ImportError: the library is not installed (qh3 is an optional extra).
     """
+    return _named_backend(default_backend() if name is None else name)
+
+
+@cache
+def _named_backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown QUIC backend {name!r}; expected one of {BACKENDS}")
     return _load(name)
 
 
 def available_backends() -> list[str]:
-    """The backends importable in this environment, default first."""
+    """The backends importable in this environment, default (fastest) first."""
     found = []
-    for name in BACKENDS:
+    for name in PREFERENCE:
         try:
-            get_backend(name)
+            _named_backend(name)
         except ImportError:
             continue
         found.append(name)
     return found
+
+
+def backend_of(configuration: Any) -> str:
+    """The name of the backend whose ``QuicConfiguration`` ``configuration`` is (the default
+    backend when it is neither's): what ``connect``/``serve`` run on when not told."""
+    module = type(configuration).__module__.split(".", 1)[0]
+    return module if module in BACKENDS else default_backend()
+
+
+@cache
+def default_backend() -> str:
+    """The QUIC backend a process uses unless told otherwise: the fastest one installed (qh3,
+    else aioquic; bench/NOTES.md has the measurement)."""
+    return available_backends()[0]
+
+
+def describe_transport(transport: TransportConfig | None = None, backend: str | None = None) -> str:
+    """The datagram settings of ``transport`` (default :class:`TransportConfig`) on ``backend``
+    (default :func:`default_backend`), for start-up logs: "1452-byte datagrams, path-MTU
+    probing"."""
+    transport = transport or TransportConfig()
+    quic = get_backend(backend)
+    size = transport.max_datagram_size
+    text = "library-default datagrams" if size is None else f"{size}-byte datagrams"
+    return text + (", path-MTU probing" if quic.probes_path_mtu(transport) else "")
+
+
+def transport_banner(backend: str | None = None, transport: TransportConfig | None = None) -> str:
+    """What a service logs at start-up about its QUIC: "qh3 2.1.0, 1452-byte datagrams,
+    path-MTU probing"."""
+    quic = get_backend(backend)
+    return f"{quic.name} {quic.version}, {describe_transport(transport, quic.name)}"
 
 
 def initial_padded_outside_packets(datagram: bytes) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .backend import Backend, QuicConnectionLike, get_backend
+from .backend import QuicConnectionLike, SessionBackend, get_backend
 from .errors import (
     MOQTError,
     ProtocolViolation,
@@ -148,10 +148,10 @@ class MOQTSession(RequestAPI, DataPlane):
         *,
         is_client: bool,
         config: SessionConfig | None = None,
-        backend: Backend | None = None,
+        backend: SessionBackend | None = None,
     ) -> None:
         self._quic = quic
-        self._backend = backend or get_backend("aioquic")
+        self._backend: SessionBackend = backend or get_backend("aioquic")
         self.is_client = is_client
         self.config = config or SessionConfig()
         window = self.config.max_requests if self.config.auto_grant else 0

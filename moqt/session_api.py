@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .backend import Backend, QuicConnectionLike
+from .backend import QuicConnectionLike, SessionBackend
 from .errors import RequestErrorCode, StreamResetCode
 from .messages import (
     ControlMessage,
@@ -69,7 +69,7 @@ class RequestAPI:
     declared here."""
 
     _quic: QuicConnectionLike
-    _backend: Backend
+    _backend: SessionBackend
     requests: RequestTable
     is_client: bool
     _setup_done: bool

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .backend import Backend, QuicConnectionLike
+from .backend import QuicConnectionLike, SessionBackend
 from .errors import MalformedTrack, ObjectStatus, ProtocolViolation, StreamResetCode
 from .messages import ControlMessage, FetchCancel, Unsubscribe
 from .objects import (
@@ -96,7 +96,7 @@ class DataPlane:
     attributes declared here."""
 
     _quic: QuicConnectionLike
-    _backend: Backend
+    _backend: SessionBackend
     requests: RequestTable
     _in_streams: dict[int, _InStream]
     _out_streams: dict[int, _OutStream]

@@ -3,12 +3,19 @@
 Usage (``python -m relay.app`` takes the same options)::
 
     kvsp serve relay --listen 127.0.0.1:4443 [--cert C --key K] [--index URL --token T]
+                     [--qmux-listen HOST:PORT|off] [--qmux-tcp-listen HOST:PORT]
+                     [--qmux-unix PATH] [--trusted-network]
                      [--upstream moqt://origin:4443/ --upstream-cafile PEM]
                      [--http-listen 127.0.0.1:0] [--cache-size 1GiB] [--open]
 
 * MOQT draft-16 over raw QUIC (ALPN ``moqt-16``) on ``--listen`` (UDP). Without ``--cert`` and
   ``--key`` it uses a self-signed pair kept in ``STATE/relay-tls`` (made on first start, made
   again when it nears expiry); clients pin that ``cert.pem``.
+* MOQT over QMux (draft-ietf-quic-qmux-01) at the same time, one cache and one authorization
+  path for all: over TLS 1.3 on ``--qmux-listen`` (TCP; default the ``--listen`` host, a free
+  port; ``off`` disables it), over plain TCP on ``--qmux-tcp-listen`` (refused beyond loopback
+  without ``--trusted-network``) and over a Unix socket at ``--qmux-unix`` (mode 0600). Records
+  list these as ``moqt_carriers`` (fastest first) beside the ``moqt://`` holder URI.
 * Peers authenticate with the AUTHORIZATION TOKEN setup parameter (USE_VALUE) against the
   principals file (``--principals``, default ``STATE/principals.toml`` made with one admin
   token). ``--open`` runs without principals (interop testing): every peer may do everything.
@@ -18,7 +25,8 @@ Usage (``python -m relay.app`` takes the same options)::
   relay only relays and caches.
 * ``--ready-file F`` receives, once both listeners are up, one JSON line::
 
-      {"moqt": "moqt://127.0.0.1:P/", "http": "http://127.0.0.1:Q/"}
+      {"moqt": "moqt://127.0.0.1:P/", "http": "http://127.0.0.1:Q/",
+       "carriers": ["moqt+tls://127.0.0.1:R/", ...]}
 
 SIGTERM or SIGINT stops it (records withdrawn first); exit status 0.
 """
@@ -40,6 +48,7 @@ from cryptography import x509
 
 from kvsp.errors import BadRequest, KVSPError
 from kvsp.leases import LeaseQuota
+from kvsp.transfer.moqt_carriers import is_loopback
 from kvsp.web.auth import Principals
 from kvsp.web.cliargs import (
     add_common_arguments,
@@ -50,7 +59,7 @@ from kvsp.web.cliargs import (
 )
 from kvsp.web.clock import SystemClock
 from kvsp.web.runner import write_ready_file
-from moqt.backend import BACKENDS
+from moqt.backend import BACKENDS, default_backend, transport_banner
 from moqt.certs import make_self_signed
 
 from .holder import DEFAULT_RECORD_TTL_MS, HolderConfig, RelayHolder
@@ -73,7 +82,25 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="the HTTP holder face: leases, healthz (default 127.0.0.1:0, a free port)",
     )
     add("--open", action="store_true", help="no principals: every peer may do everything")
-    add("--backend", choices=BACKENDS, default="aioquic", help="QUIC library (default aioquic)")
+    add(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="QUIC library (default: the fastest installed, qh3 before aioquic)",
+    )
+    add(
+        "--qmux-listen",
+        default="",
+        metavar="HOST:PORT|off",
+        help="MOQT over QMux over TLS 1.3 (TCP); default: the --listen host, a free port",
+    )
+    add("--qmux-tcp-listen", metavar="HOST:PORT", help="MOQT over QMux over plain TCP")
+    add("--qmux-unix", type=Path, metavar="PATH", help="MOQT over QMux over a Unix socket")
+    add(
+        "--trusted-network",
+        action="store_true",
+        help="allow plain-TCP QMux on a non-loopback address (see SECURITY.md)",
+    )
     add(
         "--cache-size",
         type=positive_size,
@@ -161,7 +188,7 @@ def _upstream(args: argparse.Namespace) -> UpstreamConfig | None:
         token=token,
         cafile=args.upstream_cafile,
         verify=not args.upstream_insecure,
-        backend=args.backend,
+        backend=args.backend or default_backend(),
     )
 
 
@@ -194,12 +221,30 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
     cert, key = _certificates(args)
     if args.public_url is not None and not args.public_url.startswith("moqt://"):
         raise BadRequest("--public-url must be a moqt:// URI")
+    qmux_tls: tuple[str, int] | None = (host, 0)
+    if args.qmux_listen == "off":
+        qmux_tls = None
+    elif args.qmux_listen:
+        qmux_tls = parse_listen(args.qmux_listen)
+    qmux_tcp = None
+    if args.qmux_tcp_listen is not None:
+        qmux_tcp = parse_listen(args.qmux_tcp_listen)
+        if not args.trusted_network and not is_loopback(qmux_tcp[0]):
+            raise BadRequest(
+                f"--qmux-tcp-listen {args.qmux_tcp_listen}: plain TCP carries tokens and KV in "
+                "the clear; listen on loopback, use --qmux-listen (TLS), or pass "
+                "--trusted-network"
+            )
     return RelayConfig(
         certificate=cert,
         private_key=key,
         host=host,
         port=port,
-        backend=args.backend,
+        qmux_tls=qmux_tls,
+        qmux_tcp=qmux_tcp,
+        qmux_unix=args.qmux_unix,
+        trusted_network=args.trusted_network,
+        backend=args.backend or default_backend(),
         cache_bytes=args.cache_size,
         principals=_principals(args),
         upstream=_upstream(args),
@@ -263,9 +308,13 @@ async def _serve(
         try:
             await face.start()
             if args.ready_file is not None:
-                ready = {"moqt": moqt_url, "http": face.url}
+                ready = {"moqt": moqt_url, "http": face.url, "carriers": list(relay.carriers)}
                 write_ready_file(Path(args.ready_file), json.dumps(ready))
-            print(f"kvsp relay: {moqt_url} (HTTP face {face.url})", file=sys.stderr)
+            print(
+                f"kvsp relay: {moqt_url} (QUIC: {transport_banner(config.backend)}); QMux: "
+                f"{', '.join(relay.carriers) or 'off'}; HTTP face {face.url}",
+                file=sys.stderr,
+            )
             await stop.wait()
         finally:
             await relay.close()

@@ -79,12 +79,15 @@ class RelayHolder:
         *,
         holder_url: str = "",
         lease_base: str | None = None,
+        carriers: tuple[str, ...] = (),
     ) -> None:
         self.config = config
         self.clock = clock
         self.index = index
         self.holder_url = holder_url
         self.lease_base = lease_base
+        self.carriers = carriers
+        """The relay's MOQT-over-QMux URIs, fastest first: the records' ``moqt_carriers``."""
         self.leases = LeaseTable(config.lease_quota)
         self._replicas: dict[TrackKey, KVReplica] = {}  # complete replicas in the cache
         self._blocks: dict[bytes, _Published] = {}  # block (packed) → its published replica
@@ -145,7 +148,11 @@ class RelayHolder:
             if ttl <= 0:
                 return
             record = replica_record(
-                replica, holder=self.holder_url, lease_base=self.lease_base, ttl_ms=ttl
+                replica,
+                holder=self.holder_url,
+                lease_base=self.lease_base,
+                ttl_ms=ttl,
+                carriers=self.carriers,
             )
             try:
                 granted = await self.index.publish(record)

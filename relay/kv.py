@@ -107,12 +107,18 @@ def complete_replica(block: BlockTrack, track: CacheTrack) -> KVReplica | None:
 
 
 def replica_record(
-    replica: KVReplica, *, holder: str, lease_base: str | None, ttl_ms: int
+    replica: KVReplica,
+    *,
+    holder: str,
+    lease_base: str | None,
+    ttl_ms: int,
+    carriers: tuple[str, ...] = (),
 ) -> ReplicaRecord:
     """The Replica Record the relay publishes for a cached replica (§4.4, DESIGN §4).
 
-    ``holder`` is the relay's ``moqt://`` URI, ``lease_base`` its HTTP face; every layer is in
-    host memory; ``size`` is the container size (header plus payloads), codec raw.
+    ``holder`` is the relay's ``moqt://`` URI, ``lease_base`` its HTTP face, ``carriers`` its
+    QMux URIs (``moqt_carriers``); every layer is in host memory; ``size`` is the container
+    size (header plus payloads), codec raw.
     """
     block = replica.block
     return ReplicaRecord(
@@ -128,4 +134,5 @@ def replica_record(
         ttl_ms=ttl_ms,
         moqt_namespace=encode_namespace_octets(replica.key[0]),
         lease_base=lease_base,
+        moqt_carriers=carriers or None,
     )

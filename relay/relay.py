@@ -33,12 +33,13 @@ from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvsp.errors import Unauthorized
 from kvsp.web.auth import Principal, Principals
 from kvsp.web.clock import Clock, SystemClock
 from moqt.asyncio import MOQTConnection, MOQTServer, serve
-from moqt.backend import TransportConfig, get_backend
+from moqt.backend import TransportConfig, get_backend, transport_banner
 from moqt.errors import RequestErrorCode, SessionError
 from moqt.messages import (
     AuthToken,
@@ -92,11 +93,18 @@ class RelayConfig:
     private_key: Path
     host: str = "127.0.0.1"
     port: int = 0
-    backend: str = "aioquic"
+    backend: str | None = None
     cache_bytes: int = 1 << 30
     principals: Principals | None = None
     upstream: UpstreamConfig | None = None
     public_url: str | None = None
+    qmux_tls: tuple[str, int] | None = None
+    """Where MOQT over QMux over TLS listens (TCP host, port); None: not at all."""
+    qmux_tcp: tuple[str, int] | None = None
+    """Where MOQT over QMux over plain TCP listens (loopback unless ``trusted_network``)."""
+    qmux_unix: Path | None = None
+    """The Unix socket MOQT over QMux listens on (mode 0600: the file is the access boundary)."""
+    trusted_network: bool = False
     tombstone_ms: int = DEFAULT_TOMBSTONE_MS
     queue_limit: int = DEFAULT_QUEUE_LIMIT
     maintenance_s: float = 0.5
@@ -135,6 +143,8 @@ class Relay(Announcements):
         self._gone_octets = (0, 0)  # (sent, received) by sessions that ended, for metrics
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: MOQTServer | None = None
+        self._qmux_servers: list[Any] = []
+        self.carriers: tuple[str, ...] = ()
         self._evicting: asyncio.Task[None] | None = None
         self._fetching: dict[tuple[TrackKey, Location, Location], asyncio.Future[None]] = {}
         self.merged_fetches = 0  # FETCH misses that waited for another one's upstream fetch
@@ -177,15 +187,58 @@ class Relay(Announcements):
         host, port = self._server.address
         shown = f"[{host}]" if ":" in host else host
         self.url = cfg.public_url or f"moqt://{shown}:{port}/"
+        log.info("MOQT over QUIC at %s: %s", self.url, transport_banner(cfg.backend))
+        self.carriers = await self._serve_qmux()
         if not self.holder.holder_url:
             self.holder.holder_url = self.url
+            self.holder.carriers = self.carriers
         self._spawn(self._maintain())
         return self.url
+
+    async def _serve_qmux(self) -> tuple[str, ...]:
+        """Listen on the configured QMux carriers (one cache, one authorization path: every
+        session goes to the same handler); their URIs, fastest first, on the host of
+        :attr:`url` (records name carriers on the holder's own host)."""
+        cfg = self.config
+        if cfg.qmux_tls is None and cfg.qmux_tcp is None and cfg.qmux_unix is None:
+            return ()
+        from moqt.qmux_asyncio import QMuxEndpoint, serve_qmux, server_ssl_context
+
+        public = urlsplit(self.url).hostname or cfg.host
+        shown = f"[{public}]" if ":" in public else public
+        uris: list[str] = []
+
+        async def listen(endpoint: QMuxEndpoint, ssl_context: Any = None) -> Any:
+            server = await serve_qmux(
+                endpoint,
+                handler=self._serve_peer,
+                ssl_context=ssl_context,
+                session_config=cfg.session,
+                trusted_network=cfg.trusted_network,
+            )
+            self._qmux_servers.append(server)
+            return server
+
+        if cfg.qmux_unix is not None:
+            await listen(QMuxEndpoint(carrier="unix", path=str(cfg.qmux_unix)))
+            uris.append(f"moqt+unix://localhost{cfg.qmux_unix.resolve()}")
+        if cfg.qmux_tcp is not None:
+            host, port = cfg.qmux_tcp
+            server = await listen(QMuxEndpoint(carrier="tcp", host=host, port=port))
+            uris.append(f"moqt+tcp://{shown}:{server.address[1]}/")
+        if cfg.qmux_tls is not None:
+            host, port = cfg.qmux_tls
+            context = server_ssl_context(str(cfg.certificate), str(cfg.private_key))
+            server = await listen(QMuxEndpoint(carrier="tls", host=host, port=port), context)
+            uris.append(f"moqt+tls://{shown}:{server.address[1]}/")
+        return tuple(uris)
 
     async def close(self) -> None:
         """Stop serving: close every session and withdraw every record."""
         if self._server is not None:
             self._server.close()
+        for server in self._qmux_servers:
+            server.close()
         for track in list(self.tracks.values()):
             track.close()
         if self._upstream is not None:

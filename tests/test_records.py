@@ -951,6 +951,42 @@ def test_kv_namespace_and_round_trip() -> None:
     assert record.lease_base == "https://r.example/"
 
 
+def test_moqt_carriers_are_read_and_written() -> None:
+    carriers = ["moqt+tls://r.example:4444/", "moqt+unix://localhost/run/kvsp/relay.sock"]
+    obj = {**spec_replica(), "holder": MOQT, "moqt_namespace": NAMESPACE}
+    record = ReplicaRecord.from_json({**obj, "moqt_carriers": carriers})
+    assert record.moqt_carriers == tuple(carriers)
+    assert record.to_json()["moqt_carriers"] == carriers
+    assert ReplicaRecord.from_json(obj).moqt_carriers is None
+    assert "moqt_carriers" not in ReplicaRecord.from_json(obj).to_json()
+
+
+@pytest.mark.parametrize(
+    "carriers",
+    [
+        [],
+        "moqt+tls://r.example:4444/",
+        ["moqt://r.example:4443/"],
+        ["https://r.example/"],
+        ["moqt+tls://r.example:4444/", "moqt+tls://r.example:4444/"],
+        [f"moqt+tcp://r.example:{p}/" for p in range(1, 10)],
+        ["moqt+unix:///run/relay.sock"],
+        [7],
+    ],
+)
+def test_bad_moqt_carriers_are_refused_by_path(carriers: object) -> None:
+    obj = {**spec_replica(), "holder": MOQT, "moqt_namespace": NAMESPACE}
+    with pytest.raises(RecordError) as caught:
+        ReplicaRecord.from_json({**obj, "moqt_carriers": carriers})
+    assert caught.value.path is not None and caught.value.path.startswith("$.moqt_carriers")
+
+
+def test_only_a_moqt_holder_offers_carriers() -> None:
+    obj = {**spec_replica(), "moqt_carriers": ["moqt+tls://r.example:4444/"]}
+    with pytest.raises(RecordError, match="only a moqt holder"):
+        ReplicaRecord.from_json(obj)
+
+
 def _b64(raw: bytes) -> str:
     import base64
 
@@ -1021,6 +1057,19 @@ def residencies(draw: st.DrawFn, layer_count: int) -> tuple[Residency, ...]:
     return tuple(draw(st.permutations(entries))) or (Residency(tier=Tier.HOST, first=0, last=0),)
 
 
+carrier_uris = st.sampled_from(
+    [
+        "moqt+tls://relay.example:4444/",
+        "moqt+tcp://127.0.0.1:4445/",
+        "moqt+unix://localhost/run/kvsp/relay.sock",
+        "moqt+tls://[::1]:9/kv",
+    ]
+)
+
+
+carrier_lists = st.lists(carrier_uris, min_size=1, max_size=8, unique=True).map(tuple)
+
+
 @st.composite
 def replica_records(draw: st.DrawFn) -> ReplicaRecord:
     layer_digests = draw(st.none() | st.lists(hex32s, min_size=1, max_size=40).map(tuple))
@@ -1042,6 +1091,7 @@ def replica_records(draw: st.DrawFn) -> ReplicaRecord:
         if namespace is None
         else b"".join(bytes([len(f)]) + f for f in namespace),
         lease_base=draw(st.none() | uris),
+        moqt_carriers=None if namespace is None else draw(st.none() | carrier_lists),
     )
 
 

@@ -3,8 +3,9 @@
 
 A record is kept without its block key, compat id and scope id (the key names carry them):
 ``version (1) ‖ codec (2) ‖ size (8) ‖ ttl_ms (8) ‖ digest (32) ‖ flags (1) ‖ holder``, then,
-as the flags say, the layer digests, the residency section, ``moqt_namespace`` and
-``lease_base``; strings and sections are preceded by a 4-octet length, integers are big-endian.
+as the flags say, the layer digests, the residency section, ``moqt_namespace``,
+``lease_base`` and ``moqt_carriers`` (newline-joined); strings and sections are preceded by a
+4-octet length, integers are big-endian.
 It is less than half the record's JSON and decodes faster (``bench/bench_index.py`` prints
 both). A *key value* is the largest expiry of its entries (15 ASCII digits), then per holder
 ``holder id (16) ‖ expiry (15 digits) ‖ length (10 digits) ‖ compact record``.
@@ -30,7 +31,7 @@ _RECORD = struct.Struct("!BHQQ32sBI")  # version, codec, size, ttl_ms, digest, f
 _COUNT = struct.Struct("!I")  # counts and lengths: no record a body limit admits comes near
 _RESIDENCY = struct.Struct("!IId")  # first, last, read_mbit_per_s (NaN: absent)
 _VERSION = 1
-_LAYERS, _RESIDENCIES, _NAMESPACE, _LEASE = 1, 2, 4, 8
+_LAYERS, _RESIDENCIES, _NAMESPACE, _LEASE, _CARRIERS = 1, 2, 4, 8, 16
 _TIERS = {t.value.encode(): t for t in Tier}
 
 
@@ -55,6 +56,7 @@ def encode_record(record: ReplicaRecord) -> bytes:
         | (record.residency is not None) * _RESIDENCIES
         | (record.moqt_namespace is not None) * _NAMESPACE
         | (record.lease_base is not None) * _LEASE
+        | (record.moqt_carriers is not None) * _CARRIERS
     )
     holder = record.holder.encode()
     head = (_VERSION, record.codec, record.size, record.ttl_ms, record.digest, flags, len(holder))
@@ -74,6 +76,8 @@ def encode_record(record: ReplicaRecord) -> bytes:
         parts += [_COUNT.pack(len(record.moqt_namespace)), record.moqt_namespace]
     if record.lease_base is not None:
         parts.append(_text(record.lease_base))
+    if record.moqt_carriers is not None:
+        parts.append(_text("\n".join(record.moqt_carriers)))  # URIs hold no newline
     try:
         return b"".join(parts)
     except struct.error as exc:
@@ -141,6 +145,11 @@ def decode_record(
         if flags & _LEASE:
             (length,) = _COUNT.unpack_from(data, pos)
             lease_base = data[pos + 4 : pos + 4 + length].decode()
+            pos += 4 + length
+        carriers = None
+        if flags & _CARRIERS:
+            (length,) = _COUNT.unpack_from(data, pos)
+            carriers = tuple(data[pos + 4 : pos + 4 + length].decode().split("\n"))
     except (struct.error, KeyError, UnicodeDecodeError) as exc:
         raise ValueError(f"truncated or malformed compact record: {exc}") from None
     return ReplicaRecord(
@@ -156,6 +165,7 @@ def decode_record(
         ttl_ms=ttl_ms,
         moqt_namespace=namespace,
         lease_base=lease_base,
+        moqt_carriers=carriers,
     )
 
 

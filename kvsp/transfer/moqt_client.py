@@ -8,7 +8,9 @@ against the record's ``layer_digests`` (§6.7: a layer that fails is never hande
 transfer stops); ``subscribe_live`` follows a block still being computed, each layer checked
 by the digest its object carries in-band or, where a relay stripped it, at completion against
 the producer's published record. The session-free parts of one transfer (plan, object
-assembly, final checks) are in :mod:`kvsp.transfer.moqt_transfer`. Replicas are walked by
+assembly, final checks) are in :mod:`kvsp.transfer.moqt_transfer`; the carrier a session runs on
+(QUIC, or QMux over TLS, TCP or a Unix socket where the record offers one) is chosen and opened
+by :mod:`kvsp.transfer.moqt_carriers`. Replicas are walked by
 :meth:`kvsp.transfer.block_client.BlockClient.fetch`, which hands ``moqt://`` ones to this
 client: one walk for both transports.
 """
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Self
 
 from kvsp.container import Geometry, Layer, mismatch, replica_digest
@@ -33,6 +37,12 @@ from kvsp.moqt_mapping import (
 )
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
+from kvsp.transfer.moqt_carriers import (
+    CarrierPolicy,
+    SessionOptions,
+    carrier_candidates,
+    open_session,
+)
 from kvsp.transfer.moqt_publisher import REFUSED_REQUESTS
 from kvsp.transfer.moqt_transfer import (
     BlockStream,
@@ -55,15 +65,16 @@ from moqt.asyncio import (
     RequestRejected,
     SessionClosedError,
     Subscription,
-    connect,
 )
-from moqt.backend import TransportConfig, get_backend
+from moqt.backend import TransportConfig
 from moqt.errors import RequestErrorCode
 from moqt.session_events import FetchReceived, RequestUpdateReceived, SubscribeReceived
 from moqt.session_state import LocalProtocolError
 from moqt.wire import TrackNamespace
 
 _PEER_REQUESTS = (FetchReceived, SubscribeReceived, RequestUpdateReceived, *REFUSED_REQUESTS)
+CARRIER_RETRY_S = 30.0  # a QMux carrier that failed is skipped (QUIC used) this long
+log = logging.getLogger(__name__)
 
 
 class MoqtBlockClient:
@@ -71,7 +82,9 @@ class MoqtBlockClient:
 
     One MOQT session per holder address is kept and reused. ``cafile`` pins the holder's
     (self-signed) certificate; ``verify=False`` disables the check (tests, ``--tls-disable-
-    verify``). ``timeout`` bounds each request and each pause in the data.
+    verify``). ``timeout`` bounds each request and each pause in the data. ``backend`` is the
+    QUIC library (None: the measured default); ``policy`` says which QMux carriers a record may
+    offer this client (:mod:`kvsp.transfer.moqt_carriers`).
     """
 
     def __init__(
@@ -80,18 +93,21 @@ class MoqtBlockClient:
         cafile: str | None = None,
         verify: bool = True,
         server_name: str | None = None,
-        backend: str = "aioquic",
+        backend: str | None = None,
         transport: TransportConfig | None = None,
         auth_token: str | bytes | None = None,
         timeout: float = 30.0,
+        policy: CarrierPolicy | None = None,
     ) -> None:
         self.cafile = cafile
         self.verify = verify
         self.server_name = server_name
         self.backend = backend
-        self.transport = transport or TransportConfig()
+        self.transport = transport
+        self.policy = policy or CarrierPolicy()
         self._token = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self.timeout = timeout
+        self._failed: dict[MoqtAddress, float] = {}  # carrier → monotonic time it failed
         self._sessions: dict[MoqtAddress, tuple[contextlib.AsyncExitStack, MOQTConnection]] = {}
         self._locks: dict[MoqtAddress, asyncio.Lock] = {}
         self._closing: set[asyncio.Task[None]] = set()
@@ -110,6 +126,10 @@ class MoqtBlockClient:
                 await stack.aclose()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def sessions(self) -> list[MoqtAddress]:
+        """The addresses (carrier included) of the open pooled sessions, oldest first."""
+        return [a for a, (_, c) in self._sessions.items() if c.session.closed is None]
 
     def _forget(self, address: MoqtAddress, connection: MOQTConnection) -> None:
         """Drop a pooled session that stopped answering (its peer died, or restarted and no
@@ -141,34 +161,50 @@ class MoqtBlockClient:
             stack = contextlib.AsyncExitStack()
             try:
                 connection = await asyncio.wait_for(self._open(stack, address), self.timeout)
-            except (OSError, TimeoutError, SessionClosedError, ConnectionError) as exc:
+            except (OSError, TimeoutError, SessionClosedError, ConnectionError, ValueError) as exc:
                 await stack.aclose()
-                where = f"{address.host}:{address.port}"
-                raise TransportError(f"no MOQT session with {where}: {exc!r}") from exc
+                raise TransportError(f"no MOQT session with {address}: {exc!r}") from exc
             self._sessions[address] = (stack, connection)
             return connection
 
+    async def connect_any(
+        self, candidates: Sequence[MoqtAddress]
+    ) -> tuple[MoqtAddress, MOQTConnection]:
+        """The first of ``candidates`` (carriers in preference order, the QUIC address last)
+        that gives a session; a carrier that fails is skipped for :data:`CARRIER_RETRY_S`.
+
+        Raises:
+            TransportError: the last candidate failed too.
+        """
+        now = time.monotonic()
+        tried = [a for a in candidates[:-1] if now - self._failed.get(a, -1e9) > CARRIER_RETRY_S]
+        for address in tried:
+            try:
+                return address, await self.connection(address)
+            except TransportError as exc:
+                log.warning("MOQT carrier %s failed, trying the next one: %s", address, exc)
+                self._failed[address] = time.monotonic()
+        return candidates[-1], await self.connection(candidates[-1])
+
+    def candidates(self, holder: str, record: ReplicaRecord | None) -> tuple[MoqtAddress, ...]:
+        """Where to reach ``holder``: the carriers ``record`` offers for it, then QUIC."""
+        carriers = None
+        if record is not None and record.holder == holder:
+            carriers = record.moqt_carriers
+        return carrier_candidates(holder, carriers, self.policy)
+
     async def _open(self, stack: contextlib.AsyncExitStack, address: MoqtAddress) -> MOQTConnection:
-        quic = get_backend(self.backend)
-        configuration = quic.configuration(
-            is_client=True,
-            transport=self.transport,
+        options = SessionOptions(
             cafile=self.cafile,
             verify=self.verify,
-            server_name=self.server_name or address.host,
+            server_name=self.server_name,
+            backend=self.backend,
+            transport=self.transport,
+            token=self._token,
+            timeout=self.timeout,
+            policy=self.policy,
         )
-        connection = await stack.enter_async_context(
-            connect(
-                address.host,
-                address.port,
-                configuration=configuration,
-                backend=self.backend,
-                path=address.path,
-                auth_token=self._token,
-                transport=self.transport,
-                setup_timeout=self.timeout,
-            )
-        )
+        connection = await open_session(stack, address, options)
         task = asyncio.ensure_future(_refuse_requests(connection))
         stack.callback(task.cancel)
         return connection
@@ -228,8 +264,8 @@ class MoqtBlockClient:
         self, make_plan: Callable[[], FetchPlan], stream: BlockStream[VerifiedBlock]
     ) -> AsyncGenerator[Layer, None]:
         plan = make_plan()  # its errors surface on the first read, like the transfer's
-        connection = await self.connection(plan.address)
-        response = await self._request_fetch(connection, plan)
+        address, connection = await self.connect_any(self._plan_candidates(plan))
+        response = await self._request_fetch(connection, plan, address)
         assembler = LayerAssembler(
             plan.geometry, plan.first, plan.last, token_count=plan.token_count, sink=plan.sink
         )
@@ -259,7 +295,7 @@ class MoqtBlockClient:
             if not reader.ended:
                 _cancel(connection, response.request_id)
         if watchdog.fired:
-            self._forget(plan.address, connection)
+            self._forget(address, connection)
             raise TransportError(f"no data from {plan.record.holder} for {self.timeout} s")
         if not assembler.complete:
             raise LayersUnavailable("the fetch ended before every layer arrived")
@@ -271,7 +307,17 @@ class MoqtBlockClient:
                 yield layer
         stream.result = verified_block(plan, assembler)
 
-    async def _request_fetch(self, connection: MOQTConnection, plan: FetchPlan) -> FetchResponse:
+    def _plan_candidates(self, plan: FetchPlan) -> tuple[MoqtAddress, ...]:
+        """The record's carriers when the plan goes to the record's own holder (not another
+        holder the caller named), then the plan's address."""
+        holder = plan.record.holder
+        if plan.address.carrier == "quic" and parse_moqt_uri(holder) == plan.address:
+            return self.candidates(holder, plan.record)
+        return (plan.address,)
+
+    async def _request_fetch(
+        self, connection: MOQTConnection, plan: FetchPlan, address: MoqtAddress
+    ) -> FetchResponse:
         start, end = layer_range_locations(plan.first, plan.last)
         track = stored_track_name(plan.record.digest)
         try:
@@ -281,7 +327,7 @@ class MoqtBlockClient:
         except RequestRejected as exc:
             raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
-            self._forget(plan.address, connection)
+            self._forget(address, connection)
             raise TransportError(f"FETCH of {plan.record.holder} failed: {exc!r}") from exc
 
     def subscribe_live(
@@ -403,8 +449,7 @@ class MoqtBlockClient:
             raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
             self._forget(address, connection)
-            where = f"{address.host}:{address.port}"
-            raise TransportError(f"SUBSCRIBE at {where} failed: {exc!r}") from exc
+            raise TransportError(f"SUBSCRIBE at {address} failed: {exc!r}") from exc
 
 
 def _cancel(connection: MOQTConnection, request_id: int, *, fetch: bool = True) -> None:

@@ -52,34 +52,55 @@ from moqt.session_events import (
 from moqt.wire import KeyValuePair, TrackNamespace
 
 MOQT_SCHEME = "moqt"
+CARRIERS = {"moqt": "quic", "moqt+tls": "tls", "moqt+tcp": "tcp", "moqt+unix": "unix"}
+"""URI scheme → the carrier under the MOQT session (DESIGN §4 Carriers)."""
 DEFAULT_MOQT_PORT = 443  # d16 §3.1.2: the moqt URI scheme's default port
 T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class MoqtAddress:
-    """Where a ``moqt://host[:port]/path`` URI points (raw QUIC, ALPN ``moqt-16``)."""
+    """Where a MOQT URI points: ``moqt://host[:port]/path`` is raw QUIC (ALPN ``moqt-16``);
+    ``moqt+tls``, ``moqt+tcp`` and ``moqt+unix`` are MOQT over QMux over TLS, plain TCP or the
+    Unix socket ``socket_path`` (:mod:`kvsp.transfer.moqt_carriers`)."""
 
     host: str
     port: int
     path: str | None
+    carrier: str = "quic"
+    socket_path: str | None = None
+
+    def __str__(self) -> str:
+        if self.carrier == "unix":
+            return f"unix:{self.socket_path}"
+        where = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.carrier}:{where}:{self.port}"
 
 
 def parse_moqt_uri(uri: str) -> MoqtAddress:
-    """The address of a ``moqt`` URI; the port defaults to 443.
+    """The address of a ``moqt``, ``moqt+tls``, ``moqt+tcp`` or ``moqt+unix`` URI; a ``moqt``
+    port defaults to 443, the others need one (a ``moqt+unix`` URI has none: its path is the
+    socket's).
 
     Raises:
-        UnsupportedHolder: not a ``moqt`` URI with a host and a valid port.
+        UnsupportedHolder: not such a URI with a host and a valid port.
     """
     parts = urlsplit(uri)
     try:
         port = parts.port
     except ValueError:
         port = -1
-    if parts.scheme.lower() != MOQT_SCHEME or not parts.hostname or port == -1:
+    carrier = CARRIERS.get(parts.scheme.lower())
+    if carrier is None or not parts.hostname or port == -1:
         raise UnsupportedHolder(f"holder {uri[:120]!r} is not a moqt URI")
+    if carrier == "unix":
+        if port is not None or not parts.path.startswith("/") or parts.query:
+            raise UnsupportedHolder(f"{uri[:120]!r}: moqt+unix://HOST/absolute/socket/path")
+        return MoqtAddress(parts.hostname, 0, None, carrier, parts.path)
+    if carrier != "quic" and not port:
+        raise UnsupportedHolder(f"{uri[:120]!r} names no port")
     path = parts.path + (f"?{parts.query}" if parts.query else "")
-    return MoqtAddress(parts.hostname, port or DEFAULT_MOQT_PORT, path or None)
+    return MoqtAddress(parts.hostname, port or DEFAULT_MOQT_PORT, path or None, carrier)
 
 
 def record_namespace(record: ReplicaRecord) -> TrackNamespace:

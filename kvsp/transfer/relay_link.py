@@ -38,11 +38,17 @@ from kvsp.moqt_mapping import KV_GROUP, kv_scope_prefix
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
 from kvsp.stores.blocks import BlockRef, BlockStore
+from kvsp.transfer.moqt_carriers import (
+    CarrierPolicy,
+    SessionOptions,
+    check_allowed,
+    open_session,
+)
 from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.transfer.moqt_publisher import BlockSource, MemoryBlocks, MoqtBlockPublisher, StoredBlock
 from kvsp.transfer.moqt_transfer import parse_moqt_uri
-from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError, connect
-from moqt.backend import TransportConfig, get_backend
+from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError
+from moqt.backend import TransportConfig, transport_banner
 from moqt.wire import Location
 
 log = logging.getLogger(__name__)
@@ -54,14 +60,18 @@ class RelayLinkConfig:
     """Where the relay is and how to reach it (``kvsp serve instance --relay``)."""
 
     url: str
-    """The relay's ``moqt://host:port/`` URI."""
+    """The relay's URI: ``moqt://host:port/`` (QUIC), or a QMux carrier (``moqt+tls://``,
+    ``moqt+tcp://``, ``moqt+unix://localhost/path.sock``) to publish over."""
     token: str | None = None
     """Bearer token sent as the AUTHORIZATION TOKEN setup parameter (role instance/holder)."""
     cafile: str | None = None
     """PEM certificate(s) to pin (the relay's self-signed ``relay-tls/cert.pem``)."""
     verify: bool = True
-    backend: str = "aioquic"
+    backend: str | None = None
+    """QUIC library; None: the measured default (:func:`moqt.backend.default_backend`)."""
     transport: TransportConfig | None = None
+    trusted_network: bool = False
+    """Allow ``moqt+tcp://`` to a non-loopback relay."""
     retry_s: float = 1.0
     """Pause before reconnecting after a failed or lost session."""
     timeout_s: float = 10.0
@@ -96,12 +106,14 @@ class RelayLink:
     ``pushed`` counts the blocks sent to the relay, ``skipped`` those it already held.
 
     Raises:
-        UnsupportedHolder: ``config.url`` is not a ``moqt://`` URI.
+        UnsupportedHolder: ``config.url`` is not a MOQT URI, or one the link may not dial
+            (plain TCP beyond loopback without ``trusted_network``).
     """
 
     def __init__(self, config: RelayLinkConfig, blocks: BlockSource) -> None:
         self.config = config
-        self.address = parse_moqt_uri(config.url)
+        policy = CarrierPolicy(trusted_network=config.trusted_network)
+        self.address = check_allowed(parse_moqt_uri(config.url), policy)
         self.blocks = blocks
         self.pushed = 0
         self.skipped = 0
@@ -155,24 +167,18 @@ class RelayLink:
             await asyncio.sleep(self.config.retry_s)
 
     async def _session(self) -> None:
-        cfg, address = self.config, self.address
-        configuration = get_backend(cfg.backend).configuration(
-            is_client=True,
-            transport=cfg.transport or TransportConfig(),
+        cfg = self.config
+        options = SessionOptions(
             cafile=cfg.cafile,
             verify=cfg.verify,
-            server_name=address.host,
-        )
-        async with connect(
-            address.host,
-            address.port,
-            configuration=configuration,
             backend=cfg.backend,
-            path=address.path,
-            auth_token=None if cfg.token is None else cfg.token.encode(),
             transport=cfg.transport,
-            setup_timeout=cfg.timeout_s,
-        ) as connection:
+            token=None if cfg.token is None else cfg.token.encode(),
+            timeout=cfg.timeout_s,
+            policy=CarrierPolicy(trusted_network=cfg.trusted_network),
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            connection = await open_session(stack, self.address, options)
             publisher = MoqtBlockPublisher(connection, self.blocks)
             serving = asyncio.create_task(publisher.serve())
             try:
@@ -287,11 +293,18 @@ class MirroringIndex:
 
 
 def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--relay URL`` and ``--relay-cafile PEM``."""
+    """Add ``--relay URL``, ``--relay-cafile PEM`` and ``--trusted-network``."""
     parser.add_argument(
         "--relay",
         metavar="URL",
-        help="edge relay (moqt://host:port/): announce scopes, publish computed blocks there",
+        help="edge relay: announce scopes, publish computed blocks there; moqt://host:port/ "
+        "(QUIC) or a QMux carrier: moqt+tls://host:port/, moqt+unix://localhost/PATH, "
+        "moqt+tcp://host:port/",
+    )
+    parser.add_argument(
+        "--trusted-network",
+        action="store_true",
+        help="allow MOQT over plain-TCP QMux (moqt+tcp) beyond loopback (see SECURITY.md)",
     )
     parser.add_argument(
         "--relay-cafile",
@@ -314,15 +327,22 @@ class RelayAttachment:
         relay, cafile = getattr(args, "relay", None), getattr(args, "relay_cafile", None)
         self.token = token
         self.cafile = None if cafile is None else str(cafile)
+        self.policy = CarrierPolicy(trusted_network=bool(getattr(args, "trusted_network", False)))
         self.link: RelayLink | None = None
         if relay is not None:
-            config = RelayLinkConfig(url=relay, token=token, cafile=self.cafile)
+            config = RelayLinkConfig(
+                url=relay,
+                token=token,
+                cafile=self.cafile,
+                trusted_network=self.policy.trusted_network,
+            )
             self.link = RelayLink(config, MemoryBlocks())
+        log.info("MOQT over QUIC: %s", transport_banner())
 
     def moqt_client(self) -> MoqtBlockClient:
         """The client :class:`~kvsp.transfer.block_client.BlockClient` hands ``moqt://``
-        replicas to."""
-        return MoqtBlockClient(cafile=self.cafile, auth_token=self.token)
+        replicas to (over the fastest carrier each record offers)."""
+        return MoqtBlockClient(cafile=self.cafile, auth_token=self.token, policy=self.policy)
 
     def index(self, index: ReplicaIndex) -> ReplicaIndex:
         """The index the holder publishes through: mirrored to the relay with ``--relay``."""

@@ -129,6 +129,7 @@ def test_compact_form_covers_every_member_of_a_record() -> None:
     # A member added to ReplicaRecord must be added to the compact form too: fail until it is.
     known = {"block_key", "compat_id", "scope_id", "holder", "codec", "size", "digest"}
     known |= {"layer_digests", "residency", "ttl_ms", "moqt_namespace", "lease_base"}
+    known |= {"moqt_carriers"}
     assert {f.name for f in dataclasses.fields(ReplicaRecord)} == known
 
 
@@ -138,6 +139,7 @@ def test_compact_form_round_trips_and_is_smaller_than_json() -> None:
         holder="moqt://relay.example:4443/",
         moqt_namespace=b"\x01a\x01b",
         lease_base="https://relay.example/",
+        moqt_carriers=("moqt+tls://relay.example:4444/", "moqt+unix://localhost/run/r.sock"),
         residency=(
             Residency(tier=Tier.DEVICE, first=0, last=15),
             Residency(tier=Tier.DISK, first=16, last=31, read_mbit_per_s=0.5),

@@ -1,0 +1,523 @@
+"""MOQT over QMux on asyncio: TLS 1.3 over TCP, plain TCP and Unix domain sockets.
+
+The carriers of draft-ietf-quic-qmux-01 §3.1 under the same :class:`~moqt.asyncio.MOQTConnection`
+as QUIC (FETCH, SUBSCRIBE, track readers, flow-aware object sending work unchanged), following
+draft-nandakumar-moq-qmux-moqt-00 for MOQT over QMux:
+
+* ``tls``: TLS 1.3 over TCP with ALPN :data:`~moqt.qmux.ALPN_MOQT_16_QMUX` (qmux §7.1: a QMux
+  mapping has its own identifier, and both sides abort when ALPN is not agreed). Python's TLS
+  server cannot send the no_application_protocol alert, so a server that agreed no ALPN drops
+  the connection right after the handshake, before any QMux byte, and the client does the same.
+* ``tcp``: plain TCP, refused on a non-loopback address unless ``trusted_network=True``
+  (nothing protects the bytes); the application protocol is agreed with the
+  ``application_protocols`` transport parameter (see :mod:`moqt.qmux`).
+* ``unix``: a Unix domain socket; the socket file's permissions (0600 by default) are the
+  access boundary, and MOQT authorization tokens still apply.
+
+:class:`QMuxProtocol` is the pump: bytes from the carrier go to the
+:class:`~moqt.qmux.QMuxConnection` (the received ``bytes`` are kept, so stream data stays
+slices of them), events go to the MOQT session, and one transmit follows each batch of
+received data. Writes are lists of buffers: on a plain socket they go out with one
+``sendmsg`` while the transport holds nothing (asyncio 3.11's ``writelines`` would join them),
+over TLS through ``writelines`` (which encrypts each buffer in place). ``pause_writing`` stops
+the pump; ``resume_writing`` transmits and wakes the connection's writers. The idle timeout
+runs on ``loop.call_at``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import ssl
+import stat
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from .asyncio import Handler, MOQTConnection, client_session_config, run_handler
+from .backend import DEFAULT_SOCKET_BUFFER
+from .errors import SessionError
+from .qmux import (
+    ALPN_MOQT_16_QMUX,
+    APP_PROTOCOL_MOQT_16,
+    QMUX_BACKEND,
+    QMuxConfig,
+    QMuxConnection,
+)
+from .session import MOQTSession, SessionConfig
+from .transport import tune_socket
+from .wire import Bytes
+
+__all__ = [
+    "QMuxEndpoint",
+    "QMuxProtocol",
+    "QMuxServer",
+    "client_ssl_context",
+    "connect_qmux",
+    "require_loopback",
+    "serve_qmux",
+    "server_ssl_context",
+]
+
+log = logging.getLogger(__name__)
+Carrier = Literal["tls", "tcp", "unix"]
+WRITE_BATCH = 4 << 20  # bytes framed per data_to_send call while the carrier takes them
+WRITE_HIGH_WATER = 8 << 20  # the transport's buffer above which the pump pauses
+IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+CLOSE_WAIT = 2.0  # seconds to wait for the carrier to close after CONNECTION_CLOSE
+UNIX_MODE = 0o600
+
+
+@dataclass(frozen=True, slots=True)
+class QMuxEndpoint:
+    """Where a QMux carrier listens or connects: ``host``/``port`` for tls and tcp, ``path``
+    (the socket file) for unix.
+
+    Raises:
+        ValueError: an unknown carrier or a missing address part.
+    """
+
+    carrier: Carrier
+    host: str | None = None
+    port: int | None = None
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.carrier not in ("tls", "tcp", "unix"):
+            raise ValueError(f"unknown QMux carrier {self.carrier!r}")
+        if self.carrier == "unix" and not self.path:
+            raise ValueError("a unix endpoint needs a path")
+        if self.carrier != "unix" and (self.host is None or self.port is None):
+            raise ValueError(f"a {self.carrier} endpoint needs a host and a port")
+
+
+def client_ssl_context(cafile: str | None = None, verify: bool = True) -> ssl.SSLContext:
+    """A TLS 1.3 client context offering ALPN ``qmux-01.moqt-16``; ``cafile`` pins the
+    server's certificate, ``verify`` False turns checks off (tests only)."""
+    context = ssl.create_default_context(cafile=cafile)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.set_alpn_protocols([ALPN_MOQT_16_QMUX])
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def server_ssl_context(certificate: str, private_key: str) -> ssl.SSLContext:
+    """A TLS 1.3 server context (PEM paths) selecting ALPN ``qmux-01.moqt-16``."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_cert_chain(certificate, private_key)
+    context.set_alpn_protocols([ALPN_MOQT_16_QMUX])
+    return context
+
+
+def require_loopback(host: str, trusted_network: bool) -> None:
+    """Refuse plain TCP on an address that is not loopback, unless ``trusted_network``.
+
+    Raises:
+        ValueError: ``host`` is not a loopback address (or "localhost").
+    """
+    if trusted_network or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(
+            f"plain TCP on {host!r} would carry MOQT unprotected off this host: use TLS, "
+            "or pass trusted_network=True on a network you trust"
+        )
+
+
+class QMuxProtocol(asyncio.Protocol):
+    """The asyncio pump of one QMux connection running a MOQT session; ``moqt`` is its
+    :class:`~moqt.asyncio.MOQTConnection`."""
+
+    def __init__(
+        self,
+        *,
+        is_client: bool,
+        carrier: Carrier,
+        qmux: QMuxConfig | None = None,
+        session_config: SessionConfig | None = None,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._carrier = carrier
+        config = qmux or QMuxConfig()
+        if carrier == "tls":  # ALPN agreed on the protocol
+            config = replace(config, application_protocols=())
+        elif not config.application_protocols:
+            config = replace(config, application_protocols=(APP_PROTOCOL_MOQT_16,))
+        alpn = APP_PROTOCOL_MOQT_16 if carrier == "tls" else None
+        self.quic = QMuxConnection(is_client=is_client, config=config, alpn_protocol=alpn)
+        self.session = MOQTSession(
+            self.quic, is_client=is_client, config=session_config, backend=QMUX_BACKEND
+        )
+        self.moqt = MOQTConnection(self, self.session)
+        self._transport: asyncio.Transport | None = None
+        self._sock: socket.socket | None = None  # the raw socket, for sendmsg
+        self._paused = False
+        self._closing = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self.lost: asyncio.Future[None] = self._loop.create_future()
+
+    # --- asyncio.Protocol ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Check ALPN (tls), tune the socket, send our transport parameters."""
+        self._transport = transport = _as_transport(transport)
+        if self._carrier == "tls":
+            ssl_object = transport.get_extra_info("ssl_object")
+            agreed = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
+            if agreed != ALPN_MOQT_16_QMUX:  # qmux §7.1 MUST: both sides abort
+                self.quic.carrier_closed(f"TLS ALPN {ALPN_MOQT_16_QMUX!r} not agreed ({agreed!r})")
+                self._process_events()
+                transport.abort()
+                return
+        else:
+            self._sock = _raw_socket(transport)
+        sock = transport.get_extra_info("socket")
+        tune_socket(sock, DEFAULT_SOCKET_BUFFER)
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.quic.connection_made(self._loop.time())
+        self.transmit()
+
+    def data_received(self, data: bytes) -> None:
+        """Feed the connection, hand its events to the session, transmit once."""
+        self.quic.receive_data(data, self._loop.time())
+        self._process_events()
+        self.transmit()
+
+    def eof_received(self) -> bool:
+        """The peer shut its sending side: the connection ends (qmux §6.3)."""
+        self.quic.carrier_closed("the peer closed the carrier")
+        self._process_events()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The carrier is gone: end the connection and the session if still open."""
+        self.quic.carrier_closed(f"the carrier failed: {exc}" if exc else "")
+        self._process_events()
+        self._cancel_timer()
+        self._sock = None
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self.moqt._wake()
+
+    def pause_writing(self) -> None:
+        """The carrier's buffer is full: stop framing."""
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        """The carrier drained: frame more and wake waiting writers."""
+        self._paused = False
+        self.transmit()
+
+    # --- the pump ------------------------------------------------------------------------------
+
+    def transmit(self) -> None:
+        """Write what the connection has to send (while the carrier takes it); close the
+        carrier once the connection is closed."""
+        transport = self._transport
+        if transport is None or self._closing:
+            return
+        quic = self.quic
+        while not self._paused or quic.closed:
+            buffers = quic.data_to_send(WRITE_BATCH, self._loop.time())
+            if not buffers:
+                break
+            self._write(transport, buffers)
+        if quic.closed:
+            self._closing = True
+            self._cancel_timer()
+            transport.close()
+        else:
+            self._schedule_timer()
+        if self.moqt._tick is not None:  # a writer waits for the connection to move
+            self.moqt._wake()
+
+    def _write(self, transport: asyncio.Transport, buffers: list[Bytes]) -> None:
+        sock = self._sock
+        if sock is None or transport.get_write_buffer_size():
+            transport.writelines(buffers)
+            return
+        for start in range(0, len(buffers), IOV_MAX):
+            batch = buffers[start : start + IOV_MAX]
+            try:
+                sent = sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:  # the transport reports the error on its own write
+                transport.writelines(buffers[start:])
+                return
+            rest = _skip(batch, sent)
+            if rest:  # the socket is full: the transport keeps (copies) the rest
+                transport.writelines(rest + buffers[start + IOV_MAX :])
+                return
+
+    def _process_events(self) -> None:
+        quic, session, dispatch = self.quic, self.session, self.moqt._dispatch
+        while (event := quic.next_event()) is not None:
+            moqt_events = session.handle_event(event)
+            if moqt_events:
+                dispatch(moqt_events)
+
+    def _schedule_timer(self) -> None:
+        deadline = self.quic.get_timer()
+        if deadline is None:
+            self._cancel_timer()
+        elif self._timer is None or self._timer_at is None or deadline < self._timer_at:
+            self._cancel_timer()  # a later deadline waits for the armed timer to fire
+            self._timer_at = deadline
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._timer_at = None
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self.quic.handle_timer(self._loop.time())
+        self._process_events()
+        self.transmit()
+
+    async def wait_lost(self, timeout: float = CLOSE_WAIT) -> None:
+        """Wait (at most ``timeout``) for the carrier to close; abort it after that."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self.lost), timeout)
+        except TimeoutError:
+            if self._transport is not None:
+                self._transport.abort()
+
+
+def _as_transport(transport: asyncio.BaseTransport) -> asyncio.Transport:
+    if not isinstance(transport, asyncio.Transport):
+        raise TypeError(f"QMux needs a stream transport, got {transport!r}")
+    return transport
+
+
+def _raw_socket(transport: asyncio.Transport) -> socket.socket | None:
+    """The plain socket under a selector transport (None elsewhere, e.g. uvloop)."""
+    sock = getattr(transport, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def _skip(buffers: list[Bytes], sent: int) -> list[Bytes]:
+    """What of ``buffers`` is left after ``sent`` bytes went out (slices, no copies)."""
+    for index, buffer in enumerate(buffers):
+        size = len(buffer)
+        if sent < size:
+            head = memoryview(buffer)[sent:] if sent else buffer
+            return [head, *buffers[index + 1 :]]
+        sent -= size
+    return []
+
+
+# --- connect --------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def connect_qmux(
+    endpoint: QMuxEndpoint,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+    path: str | None = None,
+    auth_token: bytes | None = None,
+    session_config: SessionConfig | None = None,
+    qmux: QMuxConfig | None = None,
+    setup_timeout: float = 10.0,
+    trusted_network: bool = False,
+) -> AsyncIterator[MOQTConnection]:
+    """Connect over ``endpoint``'s carrier, complete the MOQT setup, yield the connection;
+    close it on exit. ``path`` and ``auth_token`` go into CLIENT_SETUP as with
+    :func:`moqt.asyncio.connect`; ``ssl_context`` defaults to :func:`client_ssl_context`.
+
+    Raises:
+        ValueError: plain TCP to a non-loopback host without ``trusted_network``.
+        SessionClosedError: the session ended during setup (ALPN or protocol not agreed).
+        OSError: the carrier could not connect. TimeoutError: no setup in time.
+    """
+    loop = asyncio.get_running_loop()
+    authority = None if endpoint.carrier == "unix" else f"{endpoint.host}:{endpoint.port}"
+    config = client_session_config(session_config, authority, path, auth_token)
+
+    def factory() -> QMuxProtocol:
+        return QMuxProtocol(
+            is_client=True, carrier=endpoint.carrier, qmux=qmux, session_config=config
+        )
+
+    protocol = await _open(loop, endpoint, factory, ssl_context, server_hostname, trusted_network)
+    connection = protocol.moqt
+    try:
+        await asyncio.wait_for(connection.wait_setup(), setup_timeout)
+        yield connection
+    finally:
+        if connection.session.closed is None:
+            connection.close()
+        elif protocol._transport is not None:
+            protocol._transport.close()
+        await protocol.wait_lost()
+
+
+async def _open(
+    loop: asyncio.AbstractEventLoop,
+    endpoint: QMuxEndpoint,
+    factory: Any,
+    ssl_context: ssl.SSLContext | None,
+    server_hostname: str | None,
+    trusted_network: bool,
+) -> QMuxProtocol:
+    protocol: QMuxProtocol
+    if endpoint.carrier == "unix":
+        _, protocol = await loop.create_unix_connection(factory, endpoint.path)
+        return protocol
+    host, port = str(endpoint.host), int(endpoint.port or 0)
+    if endpoint.carrier == "tcp":
+        require_loopback(host, trusted_network)
+        _, protocol = await loop.create_connection(factory, host, port)
+        return protocol
+    context = ssl_context or client_ssl_context()
+    _, protocol = await loop.create_connection(
+        factory, host, port, ssl=context, server_hostname=server_hostname or host
+    )
+    return protocol
+
+
+# --- serve ----------------------------------------------------------------------------------------
+
+
+class QMuxServer:
+    """A listening QMux carrier; each client's :class:`~moqt.asyncio.MOQTConnection` is given
+    to the handler once its setup completes."""
+
+    def __init__(self, server: asyncio.Server, endpoint: QMuxEndpoint) -> None:
+        self._server = server
+        self.endpoint = endpoint
+        self.protocols: set[QMuxProtocol] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> tuple[str, int] | str:
+        """The bound (host, port), or the socket path of a unix server."""
+        if self.endpoint.carrier == "unix":
+            return str(self.endpoint.path)
+        sockname = self._server.sockets[0].getsockname()
+        return str(sockname[0]), int(sockname[1])
+
+    def close(self) -> None:
+        """Stop listening, close every connection (NO_ERROR) and cancel the handlers."""
+        self._server.close()
+        for protocol in list(self.protocols):
+            if protocol.session.closed is None:
+                protocol.moqt.close(SessionError.NO_ERROR, "server closing")
+        for task in self.tasks:
+            task.cancel()
+        if self.endpoint.carrier == "unix" and self.endpoint.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.endpoint.path)
+
+    async def wait_closed(self) -> None:
+        """Wait until the listener and every connection are closed."""
+        await self._server.wait_closed()
+        for protocol in list(self.protocols):
+            await protocol.wait_lost()
+
+
+async def serve_qmux(
+    endpoint: QMuxEndpoint,
+    *,
+    handler: Handler,
+    ssl_context: ssl.SSLContext | None = None,
+    session_config: SessionConfig | None = None,
+    qmux: QMuxConfig | None = None,
+    trusted_network: bool = False,
+    unix_mode: int = UNIX_MODE,
+) -> QMuxServer:
+    """Listen on ``endpoint`` (port 0 picks one) and call ``handler(connection)`` after each
+    client's setup; a handler that raises closes its session with INTERNAL_ERROR. A tls
+    endpoint needs ``ssl_context`` (:func:`server_ssl_context`); a unix socket file is
+    created with ``unix_mode`` permissions.
+
+    Raises:
+        ValueError: plain TCP on a non-loopback address without ``trusted_network``, or tls
+            without a context.
+        OSError: the address is in use.
+    """
+    loop = asyncio.get_running_loop()
+    holder: list[QMuxServer] = []
+
+    def factory() -> QMuxProtocol:
+        protocol = QMuxProtocol(
+            is_client=False, carrier=endpoint.carrier, qmux=qmux, session_config=session_config
+        )
+        server = holder[0]
+        server.protocols.add(protocol)
+        protocol.lost.add_done_callback(lambda _: server.protocols.discard(protocol))
+        task = loop.create_task(run_handler(protocol.moqt, handler))
+        server.tasks.add(task)
+        task.add_done_callback(server.tasks.discard)
+        return protocol
+
+    server: asyncio.Server
+    host, port = str(endpoint.host), int(endpoint.port or 0)
+    if endpoint.carrier == "unix":
+        sock = _bind_unix(str(endpoint.path), unix_mode)
+        server = await loop.create_unix_server(factory, sock=sock)
+    elif endpoint.carrier == "tcp":
+        require_loopback(host, trusted_network)
+        server = await loop.create_server(factory, host, port)
+    else:
+        if ssl_context is None:
+            raise ValueError("a tls endpoint needs ssl_context (server_ssl_context())")
+        server = await loop.create_server(factory, host, port, ssl=ssl_context)
+    holder.append(QMuxServer(server, endpoint))
+    return holder[0]
+
+
+def _bind_unix(path: str, mode: int) -> socket.socket:
+    """A Unix stream socket bound at ``path`` with ``mode``: created owner-only (umask 0177
+    around the bind) so no one else can connect before the chmod; a stale socket file is
+    replaced, a live one or any other file is refused."""
+    _remove_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, mode)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _remove_stale_socket(path: str) -> None:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # nobody listens: a stale file
+        return
+    finally:
+        probe.close()
+    raise OSError(f"{path}: a server is already listening there")

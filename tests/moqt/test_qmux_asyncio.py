@@ -1,0 +1,328 @@
+"""moqt.qmux_asyncio: MOQT over QMux on real sockets, for every carrier (TLS 1.3 over TCP on
+127.0.0.1, plain TCP on 127.0.0.1, a Unix socket in tmp_path).
+
+Setup, FETCH of 2 MiB objects byte-exact, SUBSCRIBE of a live track, the refusals (ALPN or
+application protocol not agreed, plain TCP off loopback) and a peer vanishing mid-transfer,
+which must end in a typed error, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import ssl
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from moqt.asyncio import MOQTConnection, SessionClosedError
+from moqt.certs import make_self_signed
+from moqt.errors import PublishDoneCode, RequestErrorCode, SessionError
+from moqt.messages import StandaloneFetch
+from moqt.qmux import QMuxConfig
+from moqt.qmux_asyncio import (
+    QMuxEndpoint,
+    QMuxServer,
+    client_ssl_context,
+    connect_qmux,
+    require_loopback,
+    serve_qmux,
+    server_ssl_context,
+)
+from moqt.qmux_frames import NO_APPLICATION_PROTOCOL
+from moqt.session_events import FetchReceived, ObjectHeader, SubscribeReceived
+from moqt.wire import Location
+
+NS = (b"kvsp", b"qmux")
+TRACK = b"block"
+LIVE = b"live"
+OBJECT = 2 << 20
+OBJECTS = [hashlib.sha256(b"object%d" % i).digest() * (OBJECT // 32) for i in range(3)]
+CARRIERS = ["tls", "tcp", "unix"]
+Client = Callable[[MOQTConnection], Awaitable[None]]
+Handler = Callable[[MOQTConnection], Awaitable[None]]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_self_signed("localhost", tmp_path_factory.mktemp("qmux-certs"))
+
+
+async def publisher(connection: MOQTConnection) -> None:
+    """FETCH of OBJECTS on TRACK, SUBSCRIBE of LIVE (4 objects, then PUBLISH_DONE)."""
+    async for event in connection.requests():
+        if isinstance(event, FetchReceived):
+            await serve_fetch(connection, event)
+        elif isinstance(event, SubscribeReceived) and event.message.track_name == LIVE:
+            connection.session.subscribe_ok(event.request_id)
+            stream_id = await connection.open_subgroup(event.request_id, 0, end_of_group=True)
+            for index in range(4):
+                payload = b"live-%d" % index * 1000
+                await connection.send_object(stream_id, index, payload, end_stream=index == 3)
+            connection.session.publish_done(event.request_id, PublishDoneCode.TRACK_ENDED)
+            connection.transmit()
+
+
+async def serve_fetch(connection: MOQTConnection, event: FetchReceived) -> None:
+    target = event.message.target
+    if not isinstance(target, StandaloneFetch) or target.track_name != TRACK:
+        connection.session.request_error(event.request_id, RequestErrorCode.DOES_NOT_EXIST)
+        connection.transmit()
+        return
+    last = target.end.object - 1
+    connection.session.fetch_ok(event.request_id, end_location=Location(0, last))
+    stream_id = await connection.open_fetch_stream(event.request_id)
+    for index in range(target.start.object, last + 1):
+        await connection.send_fetch_object(
+            stream_id,
+            group_id=0,
+            object_id=index,
+            payload=memoryview(OBJECTS[index]),
+            end_stream=index == last,
+        )
+
+
+class Carrier:
+    """How to serve and reach one carrier in a test."""
+
+    def __init__(self, kind: str, certs: tuple[Path, Path], tmp_path: Path) -> None:
+        self.kind = kind
+        self.cert, self.key = (str(path) for path in certs)
+        self.sock = str(tmp_path / "moqt.sock")
+
+    def server_endpoint(self) -> QMuxEndpoint:
+        if self.kind == "unix":
+            return QMuxEndpoint("unix", path=self.sock)
+        return QMuxEndpoint(self.kind, "127.0.0.1", 0)  # type: ignore[arg-type]
+
+    def server_context(self) -> ssl.SSLContext | None:
+        return server_ssl_context(self.cert, self.key) if self.kind == "tls" else None
+
+    def client_endpoint(self, server: QMuxServer) -> QMuxEndpoint:
+        if self.kind == "unix":
+            return QMuxEndpoint("unix", path=self.sock)
+        host, port = server.address  # type: ignore[misc]
+        return QMuxEndpoint(self.kind, host, port)  # type: ignore[arg-type]
+
+    def client_context(self) -> ssl.SSLContext | None:
+        return client_ssl_context(cafile=self.cert) if self.kind == "tls" else None
+
+
+def run(
+    carrier: Carrier,
+    client: Client,
+    *,
+    handler: Handler = publisher,
+    server_qmux: QMuxConfig | None = None,
+    client_qmux: QMuxConfig | None = None,
+) -> None:
+    async def main() -> None:
+        server = await serve_qmux(
+            carrier.server_endpoint(),
+            handler=handler,
+            ssl_context=carrier.server_context(),
+            qmux=server_qmux,
+        )
+        try:
+            async with connect_qmux(
+                carrier.client_endpoint(server),
+                ssl_context=carrier.client_context(),
+                server_hostname="localhost",
+                path="/kvsp",
+                qmux=client_qmux,
+            ) as connection:
+                await asyncio.wait_for(client(connection), 30)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
+@pytest.fixture(params=CARRIERS)
+def carrier(request: pytest.FixtureRequest, certs: tuple[Path, Path], tmp_path: Path) -> Carrier:
+    return Carrier(request.param, certs, tmp_path)
+
+
+def test_setup_and_fetch_of_2_mib_objects_byte_exact(carrier: Carrier) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        assert connection.session.setup_complete
+        response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 3))
+        objects = [obj async for obj in response.track.objects()]
+        assert [obj.object_id for obj in objects] == [0, 1, 2]
+        for obj, expected in zip(objects, OBJECTS, strict=True):
+            assert hashlib.sha256(obj.payload).digest() == hashlib.sha256(expected).digest()
+
+    run(carrier, client)
+
+
+def test_fetch_into_a_sink(carrier: Carrier) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        buffer = bytearray(3 * OBJECT)
+
+        def sink(header: ObjectHeader, data: memoryview, offset: int) -> None:
+            at = header.object_id * OBJECT + offset
+            buffer[at : at + len(data)] = data
+
+        for _ in range(2):
+            response = await connection.fetch(
+                NS, TRACK, Location(0, 0), Location(0, 3), payload_sink=sink
+            )
+            await response.track.finished()
+            assert buffer == b"".join(OBJECTS)
+
+    run(carrier, client)
+
+
+def test_subscribe_to_a_live_track(carrier: Carrier) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        subscription = await connection.subscribe(NS, LIVE)
+        objects = [obj async for obj in subscription.track.objects()]
+        assert [bytes(obj.payload) for obj in objects] == [b"live-%d" % i * 1000 for i in range(4)]
+
+    run(carrier, client)
+
+
+def test_handler_failure_closes_with_internal_error(carrier: Carrier) -> None:
+    async def failing(connection: MOQTConnection) -> None:
+        raise RuntimeError("boom")
+
+    async def client(connection: MOQTConnection) -> None:
+        closed = await connection.wait_closed()
+        assert closed.error_code == SessionError.INTERNAL_ERROR
+
+    run(carrier, client, handler=failing)
+
+
+def test_peer_vanishing_mid_transfer_is_a_session_closed_error(carrier: Carrier) -> None:
+    async def vanishing(connection: MOQTConnection) -> None:
+        event = await connection.next_request()
+        assert isinstance(event, FetchReceived)
+        connection.session.fetch_ok(event.request_id, end_location=Location(0, 2))
+        stream_id = await connection.open_fetch_stream(event.request_id)
+        await connection.send_fetch_object(
+            stream_id, group_id=0, object_id=0, payload=OBJECTS[0][: OBJECT // 2]
+        )
+        await asyncio.sleep(0.05)
+        connection._protocol._transport.abort()  # the carrier goes, no CONNECTION_CLOSE
+
+    async def client(connection: MOQTConnection) -> None:
+        response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 3))
+        with pytest.raises(SessionClosedError):
+            async for _ in response.track.objects():
+                pass
+        assert connection.session.closed is not None
+
+    run(carrier, client, handler=vanishing)
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+def test_tls_alpn_mismatch_is_refused_on_both_sides(certs: tuple[Path, Path]) -> None:
+    cert, key = (str(path) for path in certs)
+    reached: list[MOQTConnection] = []
+
+    async def handler(connection: MOQTConnection) -> None:
+        reached.append(connection)
+
+    async def main() -> None:
+        server = await serve_qmux(
+            QMuxEndpoint("tls", "127.0.0.1", 0),
+            handler=handler,
+            ssl_context=server_ssl_context(cert, key),
+        )
+        host, port = server.address  # type: ignore[misc]
+        try:
+            other = client_ssl_context(cafile=cert)
+            other.set_alpn_protocols(["moqt-16"])  # the QUIC identifier, not QMux's
+            with pytest.raises(SessionClosedError, match="ALPN"):
+                async with connect_qmux(
+                    QMuxEndpoint("tls", host, port), ssl_context=other, server_hostname="localhost"
+                ):
+                    pass
+            wrong_server = server_ssl_context(cert, key)
+            wrong_server.set_alpn_protocols(["h2"])
+            second = await serve_qmux(
+                QMuxEndpoint("tls", "127.0.0.1", 0), handler=handler, ssl_context=wrong_server
+            )
+            host2, port2 = second.address  # type: ignore[misc]
+            with pytest.raises((SessionClosedError, ConnectionError)):
+                async with connect_qmux(
+                    QMuxEndpoint("tls", host2, port2),
+                    ssl_context=client_ssl_context(cafile=cert),
+                    server_hostname="localhost",
+                ):
+                    pass
+            second.close()
+            await second.wait_closed()
+        finally:
+            server.close()
+            await server.wait_closed()
+        assert reached == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_no_common_application_protocol_is_refused(
+    kind: str, certs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    async def client(connection: MOQTConnection) -> None:
+        raise AssertionError("the setup must not complete")
+
+    with pytest.raises(SessionClosedError) as caught:
+        run(
+            Carrier(kind, certs, tmp_path),
+            client,
+            server_qmux=QMuxConfig(application_protocols=("moqt-99",)),
+        )
+    assert caught.value.closed.error_code == NO_APPLICATION_PROTOCOL
+
+
+def test_plain_tcp_off_loopback_is_refused_without_trusted_network() -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match="trusted_network"):
+            await serve_qmux(QMuxEndpoint("tcp", "0.0.0.0", 0), handler=publisher)
+        with pytest.raises(ValueError, match="trusted_network"):
+            async with connect_qmux(QMuxEndpoint("tcp", "192.0.2.1", 443)):
+                pass
+
+    asyncio.run(main())
+    for host in ("127.0.0.1", "::1", "localhost"):
+        require_loopback(host, trusted_network=False)
+    require_loopback("192.0.2.1", trusted_network=True)
+
+
+def test_unix_socket_file_is_owner_only_by_default(
+    certs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    async def main() -> None:
+        path = tmp_path / "a.sock"
+        server = await serve_qmux(QMuxEndpoint("unix", path=str(path)), handler=publisher)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and server.address == str(path)
+        with pytest.raises(OSError, match="already listening"):
+            await serve_qmux(QMuxEndpoint("unix", path=str(path)), handler=publisher)
+        server.close()
+        await server.wait_closed()
+        assert not path.exists()
+        group = await serve_qmux(
+            QMuxEndpoint("unix", path=str(path)), handler=publisher, unix_mode=0o660
+        )
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        group.close()
+        await group.wait_closed()
+
+    asyncio.run(main())
+
+
+def test_endpoint_needs_its_address_parts() -> None:
+    with pytest.raises(ValueError):
+        QMuxEndpoint("unix")
+    with pytest.raises(ValueError):
+        QMuxEndpoint("tls", "127.0.0.1")
+    with pytest.raises(ValueError):
+        QMuxEndpoint("udp", "127.0.0.1", 1)  # type: ignore[arg-type]

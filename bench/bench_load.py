@@ -347,7 +347,7 @@ async def relay_service(folder: Path) -> AsyncIterator[tuple[RunningService, str
 async def moqt_session(url: str, cafile: Path, token: str) -> AsyncIterator[MOQTConnection]:
     """A MOQT session to the relay at ``url``, pinning ``cafile``."""
     host, port = url.removeprefix("moqt://").strip("/").rsplit(":", 1)
-    configuration = get_backend("aioquic").configuration(
+    configuration = get_backend().configuration(
         is_client=True, cafile=str(cafile), server_name="localhost"
     )
     async with connect(

@@ -100,7 +100,7 @@ class Target:
     path: str | None
     verify: bool
     cafile: str | None
-    backend: str
+    backend: str | None
 
     def configuration(self) -> Any:
         quic = get_backend(self.backend)
@@ -630,7 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         default=env.get("TLS_DISABLE_VERIFY", "").lower() in truthy,
     )
     parser.add_argument("--cafile", help="pin the relay's certificate (PEM)")
-    parser.add_argument("--backend", default="aioquic", choices=("aioquic", "qh3"))
+    parser.add_argument(
+        "--backend", default=None, choices=("aioquic", "qh3"), help="default: the fastest installed"
+    )
     parser.add_argument(
         "-v", "--verbose", action="store_true", default=env.get("VERBOSE", "").lower() in truthy
     )

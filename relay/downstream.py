@@ -8,6 +8,19 @@ first object it wants from that upstream stream, so a subscriber that attaches m
 at the next object. A subscriber that falls more than ``queue_limit`` octets behind is ended
 with PUBLISH_DONE TOO_FAR_BEHIND.
 
+Groups reach the subscriber whole and in ascending order (d16 §7: absent other priorities,
+groups are sent in the track's group order, ascending by default). The posts are kept per upstream
+stream, and the writer always serves the lowest group that has something to write; it starts
+writing a higher group only once the lower groups' upstream streams have ended and every stream
+of the lower groups it wrote has been sent and acknowledged
+(:meth:`~moqt.session.MOQTSession.send_buffered` is zero). Without that, the QUIC
+library shares its packets round-robin among all streams holding data, so sixteen 2 MiB groups
+written back to back complete at the subscriber nearly together and in any order, and a
+subscriber that drops a group once a later one is complete (moq-rs's track consumer) loses
+most of them (it also fails a group whose stream overlaps a later one's). A lower group
+whose stream stays open holds the higher ones back only while they queue less than half of
+``queue_limit`` and the track has not ended, so a stalled group cannot end the subscription.
+
 PUBLISH_DONE goes out once the subscriber's streams have drained (everything written was sent
 and acknowledged, or ``DRAIN_TIMEOUT_S`` passed): it travels on the control stream and would
 otherwise overtake the tail of the last object, and some subscribers (moq-rs) close the track on
@@ -19,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from moqt.asyncio import MOQTConnection, SessionClosedError
 from moqt.errors import MOQTError, PublishDoneCode, StreamResetCode
@@ -69,7 +84,9 @@ class _Done:
     reason: str
 
 
-_Op = _Begin | _Chunk | _Finish | _Reset | _Datagram | _Done
+_StreamOp = _Begin | _Chunk | _Finish | _Reset
+_Op = _StreamOp | _Datagram | _Done
+NO_GROUP = -1  # an upstream stream whose first object has not been seen
 
 
 class Downstream:
@@ -89,7 +106,11 @@ class Downstream:
         self.request_id = request_id
         self.delivery = delivery
         self.queue_limit = queue_limit
-        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
+        self._ops: dict[int, deque[_StreamOp]] = {}  # upstream stream → posts not yet written
+        self._groups: dict[int, int] = {}  # upstream stream → its group
+        self._control: deque[_Datagram | _Done] = deque()
+        self._wake = asyncio.Event()
+        self._written: dict[int, int] = {}  # our stream → group, until sent and acknowledged
         self._queued_bytes = 0
         self._streams: dict[int, int] = {}  # upstream stream → our stream
         self._finished: list[int] = []  # our streams ended with a FIN (drained before DONE)
@@ -124,13 +145,19 @@ class Downstream:
     def _post(self, op: _Op) -> None:
         if self.closed:
             return
+        self._wake.set()
+        if isinstance(op, _Datagram | _Done):
+            self._control.append(op)
+            return
         if isinstance(op, _Chunk):
             self._queued_bytes += len(op.data)
             if self._queued_bytes > self.queue_limit:
-                self._queue.put_nowait(_Done(PublishDoneCode.TOO_FAR_BEHIND, "too far behind"))
+                self._control.append(_Done(PublishDoneCode.TOO_FAR_BEHIND, "too far behind"))
                 self.closed = True
                 return
-        self._queue.put_nowait(op)
+        if isinstance(op, _Begin) and op.stream not in self._groups:
+            self._groups[op.stream] = op.start.group_id
+        self._ops.setdefault(op.stream, deque()).append(op)
 
     def begin(self, stream: int, header: SubgroupHeader, start: ObjectStart) -> None:
         """An object began on the upstream ``stream``."""
@@ -161,7 +188,10 @@ class Downstream:
 
     async def _run(self) -> None:
         while True:
-            op = await self._queue.get()
+            try:
+                op = await self._next()
+            except SessionClosedError:
+                return
             try:
                 if isinstance(op, _Done):
                     await self._drain()
@@ -177,6 +207,82 @@ class Downstream:
             finally:
                 if isinstance(op, _Chunk):
                     self._queued_bytes -= len(op.data)
+
+    async def _next(self) -> _Op:
+        """The next post to write: a datagram at once; else the oldest post of the lowest
+        group, once the lower groups written before it are acknowledged; PUBLISH_DONE last."""
+        while True:
+            control = self._control
+            if control and isinstance(control[0], _Datagram):
+                return control.popleft()
+            stream = self._lowest()
+            if stream is not None:
+                if self._held(self._groups.get(stream, NO_GROUP)):
+                    self.connection.transmit()
+                    await self._moved()
+                    continue
+                ops = self._ops[stream]
+                op = ops.popleft()
+                if not ops:
+                    del self._ops[stream]
+                if isinstance(op, _Finish | _Reset):
+                    self._groups.pop(stream, None)
+                return op
+            if control:
+                return control.popleft()
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _moved(self) -> None:
+        """Wait until the connection moves (an ACK) or something is posted (the held-back
+        lower group's next data), whichever comes first.
+
+        Raises:
+            SessionClosedError: the subscriber's session has ended.
+        """
+        connection = self.connection
+        closed = connection.session.closed
+        if closed is not None:
+            raise SessionClosedError(closed)
+        if connection._tick is None:  # the future MOQTConnection._progress awaits
+            connection._tick = asyncio.get_running_loop().create_future()
+        tick: asyncio.Future[Any] = connection._tick
+        self._wake.clear()
+        posted: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({tick, posted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            posted.cancel()
+
+    def _lowest(self) -> int | None:
+        """The upstream stream with posts to write whose group is lowest (first come first)."""
+        best: int | None = None
+        best_group = 0
+        for stream in self._ops:
+            group = self._groups.get(stream, NO_GROUP)
+            if best is None or group < best_group:
+                best, best_group = stream, group
+        return best
+
+    def _held(self, group: int) -> bool:
+        """Whether ``group`` must wait: a lower group's upstream stream is still open (unless
+        the queue is half full or the track ended), or holds data we wrote that is unsent or
+        not yet acknowledged (streams found empty and ended are forgotten)."""
+        if group == NO_GROUP:
+            return False
+        ending = bool(self._control) and isinstance(self._control[-1], _Done)
+        patient = not ending and self._queued_bytes <= self.queue_limit // 2
+        if patient and any(NO_GROUP < other < group for other in self._groups.values()):
+            return True
+        busy = False
+        for ours, written in list(self._written.items()):
+            if written >= group:
+                continue
+            if self._buffered(ours):
+                busy = True
+            elif ours not in self._streams.values():
+                del self._written[ours]  # ended and drained
+        return busy
 
     async def _apply(self, op: _Op) -> None:
         session = self.connection.session
@@ -216,6 +322,7 @@ class Downstream:
                 end_of_group=header.end_of_group,
             )
             self._streams[op.stream] = ours
+            self._written[ours] = start.group_id
         self.connection.session.begin_object(
             ours,
             start.object_id,

@@ -204,6 +204,10 @@ class _FetchRelay:
 
     def _reset(self, code: int) -> None:
         if self.stream is not None and not self.finished:
+            # the stream's header goes out first: a reset stream the subscriber never saw the
+            # header of names no request, and its FETCH would wait forever (qh3 sends nothing
+            # of a stream reset before its first transmit)
+            self.connection.transmit()
             self.connection.session.reset_data_stream(self.stream, code)
             self.connection.transmit()
             self.finished = True

@@ -43,7 +43,7 @@ class UpstreamConfig:
     token: str | None = None
     cafile: Path | None = None
     verify: bool = True
-    backend: str = "aioquic"
+    backend: str | None = None
     connect_timeout: float = 10.0
 
 

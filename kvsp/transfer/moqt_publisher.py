@@ -567,7 +567,7 @@ async def serve_blocks(
     configuration: Any,
     blocks: BlockSource,
     live: LiveTracks | None = None,
-    backend: str = "aioquic",
+    backend: str | None = None,
     transport: TransportConfig | None = None,
     in_band_digests: bool = True,
 ) -> MOQTServer:

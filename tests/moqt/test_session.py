@@ -731,7 +731,7 @@ def test_a_sink_sees_objects_crossing_packets_as_the_event_path_does(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     crossed, _ = watch_crossings(monkeypatch)
-    payloads = layers(12, 700)  # smaller than a datagram: most packets end one, start another
+    payloads = layers(12, 900)  # smaller than a datagram: most packets end one, start another
     rid = pair.c.fetch(NS, TRACK, Location(0, 0), Location(0, 12))
     sink = RecordingSink()
     pair.c.set_track_sink(rid, sink)

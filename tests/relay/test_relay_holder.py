@@ -211,8 +211,10 @@ def test_the_relay_process(
     service = start_process(argv, workdir=tmp_path)
     try:
         ready = json.loads(service.base_url)
-        assert set(ready) == {"moqt", "http"}
+        assert set(ready) == {"moqt", "http", "carriers"}
         assert ready["moqt"].startswith("moqt://127.0.0.1:")
+        [tls] = ready["carriers"]  # QMux over TLS is on by default, on the --listen host
+        assert tls.startswith("moqt+tls://127.0.0.1:")
         assert ready["http"].startswith("http://127.0.0.1:")
         assert httpx.get(ready["http"] + "healthz").json() == {"status": "ok"}
         pinned = (tmp_path / "state" / "relay-tls" / "cert.pem", certs[1])

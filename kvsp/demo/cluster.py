@@ -1,6 +1,8 @@
 """A whole KVSP cluster on loopback, as real processes (DESIGN.md §1, §3 authentication):
 ``kvsp serve control`` (IS + PC), one ``kvsp serve relay`` (MOQT edge relay, a holder at the
-IS) and reference-engine instances (``kvsp serve instance --engine reference``).
+IS; MOQT over QUIC, QMux over TLS and QMux over a Unix socket, DESIGN.md §4 Carriers) and
+reference-engine instances (``kvsp serve instance --engine reference``), which publish to the
+relay over its Unix socket and fetch over the fastest carrier its records offer.
 
 The state folder (``~/.kvsp/demo`` unless ``--state DIR``) keeps:
 
@@ -51,6 +53,7 @@ from kvsp.web.auth import mint_token, principal_entry, write_principals
 
 INSTANCE_NAMES = ("a", "b", "c", "d", "e", "f")
 RELAY_TLS = "relay-tls"
+MAX_SOCKET_PATH = 100  # sun_path holds 108 octets on Linux, with its terminating NUL
 RELAY_CERT_MARGIN = datetime.timedelta(days=3)
 """The relay renews its certificate two days before expiry; ours must outlive that."""
 KVSP = (sys.executable, "-m", "kvsp")
@@ -369,12 +372,21 @@ class Cluster:
         self.group.wait_ready(["control"], self.config.ready_timeout_s)
         return self.service("control").ready_text or ""
 
+    def _relay_socket(self) -> Path | None:
+        """The Unix socket of the relay's QMux carrier (instances on this host publish and
+        fetch over it), or None where the state path is too long for a socket address."""
+        path = (self.files.services / "relay" / "relay.sock").resolve()
+        return path if len(str(path).encode()) <= MAX_SOCKET_PATH else None
+
     def _spawn_relay(self, plan: _Plan, control: str) -> None:
+        socket_path = self._relay_socket()
+        unix = [] if socket_path is None else ["--qmux-unix", str(socket_path)]
         self._serve(
             "relay",
             "relay",
             *("--listen", f"127.0.0.1:{plan.relay_port}", "--public-url", plan.relay_uri),
             *("--index", control, "--token-file", str(self.files.token_file("relay"))),
+            *unix,
         )
 
     def _relay_certificate(self) -> Path:
@@ -391,7 +403,9 @@ class Cluster:
     def _spawn_instance(self, name: str, plan: _Plan, control: str) -> None:
         relay: list[str] = []
         if self.relay_link:
-            relay = ["--relay", plan.relay_uri, "--relay-cafile", str(self._relay_certificate())]
+            socket_path = self._relay_socket()  # the fastest carrier on one host
+            uri = plan.relay_uri if socket_path is None else f"moqt+unix://localhost{socket_path}"
+            relay = ["--relay", uri, "--relay-cafile", str(self._relay_certificate())]
         self._serve(
             f"instance-{name}",
             "instance",

@@ -14,12 +14,15 @@ draft-nandakumar-moq-qmux-moqt-00 for MOQT over QMux:
 * ``unix``: a Unix domain socket; the socket file's permissions (0600 by default) are the
   access boundary, and MOQT authorization tokens still apply.
 
-:class:`QMuxProtocol` is the pump: bytes from the carrier go to the
-:class:`~moqt.qmux.QMuxConnection` (the received ``bytes`` are kept, so stream data stays
-slices of them), events go to the MOQT session, and one transmit follows each batch of
-received data. Writes are lists of buffers: on a plain socket they go out with one
-``sendmsg`` while the transport holds nothing (asyncio 3.11's ``writelines`` would join them),
-over TLS through ``writelines`` (which encrypts each buffer in place). ``pause_writing`` stops
+:class:`QMuxProtocol` is the pump, an :class:`asyncio.BufferedProtocol`: the carrier reads
+straight into a large buffer (``recv_into`` on a plain socket; over TLS asyncio decrypts into
+it), up to a MiB a read, and the bytes go to the :class:`~moqt.qmux.QMuxConnection` as
+read-only slices that are never overwritten (:class:`ReceiveBuffers`), so stream data stays
+slices of them; events go to the MOQT session, and one transmit follows each read. Writes
+are lists of buffers: on a plain socket they go out with one ``sendmsg`` while the transport
+holds nothing (asyncio 3.11's ``writelines`` would join them), over TLS through
+``writelines``, which encrypts each buffer as it is (joining them first into larger chunks
+costs more than the small records it saves). ``pause_writing`` stops
 the pump; ``resume_writing`` transmits and wakes the connection's writers. The idle timeout
 runs on ``loop.call_at``.
 """
@@ -56,6 +59,7 @@ __all__ = [
     "QMuxEndpoint",
     "QMuxProtocol",
     "QMuxServer",
+    "ReceiveBuffers",
     "client_ssl_context",
     "connect_qmux",
     "require_loopback",
@@ -67,6 +71,8 @@ log = logging.getLogger(__name__)
 Carrier = Literal["tls", "tcp", "unix"]
 WRITE_BATCH = 4 << 20  # bytes framed per data_to_send call while the carrier takes them
 WRITE_HIGH_WATER = 8 << 20  # the transport's buffer above which the pump pauses
+RECEIVE_BUFFER = 1 << 20  # bytes one read may take (the size of each receive buffer)
+RECEIVE_MIN_READ = 64 << 10  # a shorter free tail starts a fresh buffer
 IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 CLOSE_WAIT = 2.0  # seconds to wait for the carrier to close after CONNECTION_CLOSE
 UNIX_MODE = 0o600
@@ -135,7 +141,46 @@ def require_loopback(host: str, trusted_network: bool) -> None:
         )
 
 
-class QMuxProtocol(asyncio.Protocol):
+class ReceiveBuffers:
+    """Where the carrier's bytes land: the unfilled tail of a large buffer, handed out, once
+    filled, as read-only slices that stay valid.
+
+    Nothing that was filled is ever written again: when the tail is short the next read
+    starts a fresh buffer, and the old one lives as long as a slice of it does (payload queued
+    for a reader, or forwarded by a relay without a copy). So bytes are copied once, from the
+    kernel (or the TLS layer) straight into the buffer, and one read takes up to ``size``
+    bytes.
+    """
+
+    __slots__ = ("size", "min_read", "_writable", "_readonly", "_filled")
+
+    def __init__(self, size: int = RECEIVE_BUFFER, min_read: int = RECEIVE_MIN_READ) -> None:
+        self.size = size
+        self.min_read = min_read
+        self._writable = memoryview(bytearray())
+        self._readonly = self._writable.toreadonly()
+        self._filled = 0
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """The free tail to read into; a fresh buffer when the tail is under ``min_read``
+        bytes and does not hold ``sizehint`` (what the carrier has ready, where it knows)."""
+        free = len(self._writable) - self._filled
+        if free < self.min_read and not 0 < sizehint <= free:
+            buffer = bytearray(max(self.size, sizehint))
+            self._writable = memoryview(buffer)
+            self._readonly = self._writable.toreadonly()
+            self._filled = 0
+        return self._writable[self._filled :]
+
+    def filled(self, nbytes: int) -> memoryview:
+        """``nbytes`` were written at the start of the last :meth:`get_buffer`: those bytes,
+        read-only."""
+        start = self._filled
+        self._filled = end = start + nbytes
+        return self._readonly[start:end]
+
+
+class QMuxProtocol(asyncio.BufferedProtocol):
     """The asyncio pump of one QMux connection running a MOQT session; ``moqt`` is its
     :class:`~moqt.asyncio.MOQTConnection`."""
 
@@ -160,6 +205,8 @@ class QMuxProtocol(asyncio.Protocol):
             self.quic, is_client=is_client, config=session_config, backend=QMUX_BACKEND
         )
         self.moqt = MOQTConnection(self, self.session)
+        self.moqt.first_piece_at_once = False  # frames, not packets: batch every write
+        self._buffers = ReceiveBuffers()
         self._transport: asyncio.Transport | None = None
         self._sock: socket.socket | None = None  # the raw socket, for sendmsg
         self._paused = False
@@ -192,8 +239,18 @@ class QMuxProtocol(asyncio.Protocol):
         self.quic.connection_made(self._loop.time())
         self.transmit()
 
-    def data_received(self, data: bytes) -> None:
-        """Feed the connection, hand its events to the session, transmit once."""
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the carrier writes what it read next (see :class:`ReceiveBuffers`)."""
+        return self._buffers.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Feed what was read to the connection, hand its events to the session, transmit
+        once."""
+        self.data_received(self._buffers.filled(nbytes))
+
+    def data_received(self, data: Bytes) -> None:
+        """Feed bytes that will not change (stream data events are slices of them), hand the
+        connection's events to the session, transmit once."""
         self.quic.receive_data(data, self._loop.time())
         self._process_events()
         self.transmit()

@@ -467,6 +467,7 @@ YIELD_BYTES = 1 << 20  # let other tasks run after this much payload written in 
 YIELD_WRITES = 64  # ... or this many writes
 SEND_AT_ONCE_SIZE = 16 << 10  # a payload this large, written to an idle stream, goes out at once
 IDLE_STREAM_BYTES = 1200  # an idle stream holds less than one minimal QUIC datagram
+STREAM_WRITE_BATCH = 256 << 10  # byte-stream carriers: transmit once a stream holds this much
 
 Payload: TypeAlias = Bytes | Sequence[Bytes]
 """An object payload: one buffer, or several (K and V) written one after another, unjoined."""
@@ -489,13 +490,23 @@ class ObjectSender:
     except the first piece of a large payload written to an idle stream (a new one, or one the
     network drained), which is sent at once: the first packets then leave while the rest is
     queued, not after up to :data:`YIELD_BYTES` more, which would delay a FETCH's first byte well
-    behind raw QUIC's.
+    behind raw QUIC's. A byte-stream carrier (QMux, :attr:`first_piece_at_once` False) drains
+    a stream at every transmit, so there every stream would look idle and every piece would
+    leave alone: instead the first large piece of a burst of writes goes at once (the reader
+    starts), then one transmit per :data:`STREAM_WRITE_BATCH` bytes queued, so many objects'
+    headers, K and V leave as one STREAM frame in one system call.
     """
 
     session: MOQTSession
     _loop: asyncio.AbstractEventLoop
     _transmit_pending: bool
     _unyielded: list[int]
+    first_piece_at_once: bool = True
+    """True: the first piece of a large payload on an idle stream goes at once (QUIC's first
+    byte). False (byte-stream carriers): the first large piece of each burst of writes (what
+    runs before the loop's next iteration) goes at once, then a transmit whenever the stream
+    holds :data:`STREAM_WRITE_BATCH` bytes."""
+    _burst_sent = False  # a byte-stream burst has transmitted (until the deferred transmit)
 
     if TYPE_CHECKING:  # provided by MOQTConnection
 
@@ -510,6 +521,7 @@ class ObjectSender:
             self._loop.call_soon(self._transmit_deferred)
 
     def _transmit_deferred(self) -> None:
+        self._burst_sent = False
         if self._transmit_pending:
             self.transmit()
 
@@ -588,9 +600,13 @@ class ObjectSender:
                 self._transmit_soon()
             return
         left = size
-        send_now = (
-            size >= SEND_AT_ONCE_SIZE and session.send_buffered(stream_id) < IDLE_STREAM_BYTES
-        )
+        packets = self.first_piece_at_once
+        if packets:
+            send_now = size >= SEND_AT_ONCE_SIZE and (
+                session.send_buffered(stream_id) < IDLE_STREAM_BYTES
+            )
+        else:
+            send_now = size >= SEND_AT_ONCE_SIZE and not self._burst_sent
         for part in parts:
             length = len(part)
             view = None if length <= WRITE_CHUNK else as_byte_view(part)
@@ -601,8 +617,11 @@ class ObjectSender:
                     await self._progress()
                 left -= len(piece)
                 session.write_payload(stream_id, piece, end_stream=end_stream and not left)
-                if send_now:
+                if send_now or (
+                    not packets and session.send_buffered(stream_id) >= STREAM_WRITE_BATCH
+                ):
                     send_now = False
+                    self._burst_sent = True
                     self.transmit()
                 await self._maybe_yield(len(piece))
         self._transmit_soon()

@@ -269,7 +269,7 @@ class MoqtBlockClient:
         assembler = LayerAssembler(
             plan.geometry, plan.first, plan.last, token_count=plan.token_count, sink=plan.sink
         )
-        objects = ObjectFeed(assembler)
+        objects = ObjectFeed(assembler, in_band=False)  # the record is authoritative
         expected = plan.record.layer_digests
         unchecked: list[tuple[Layer, bytes]] = []  # no layer_digests: checked as a whole
         reader = response.track
@@ -280,7 +280,7 @@ class MoqtBlockClient:
                 done = objects.on(event)
                 if done is None:
                     continue
-                layer, digest, _ = done  # the record, not the in-band copy, is authoritative
+                layer, digest, _ = done
                 if expected is None:
                     unchecked.append((layer, digest))
                 elif digest != expected[layer.index]:

@@ -207,11 +207,13 @@ class Watchdog:
 
 class ObjectFeed:
     """Feeds a track's data events to a :class:`LayerAssembler`, skipping status objects
-    (relays append an empty END_OF_GROUP object)."""
+    (relays append an empty END_OF_GROUP object). With ``in_band`` False the objects' in-band
+    layer digests are not read (a FETCH checks against the record alone)."""
 
-    def __init__(self, assembler: LayerAssembler) -> None:
+    def __init__(self, assembler: LayerAssembler, *, in_band: bool = True) -> None:
         self.assembler = assembler
         self._skip: set[int] = set()
+        self._read_in_band = in_band  # False: the caller checks against the record only
         self._in_band: bytes | None = None
 
     def on(self, event: MOQTEvent) -> tuple[Layer, bytes, bytes | None] | None:
@@ -225,7 +227,8 @@ class ObjectFeed:
             if event.object.status != ObjectStatus.NORMAL:
                 self._skip.add(event.stream_id)
                 return None
-            self._in_band = in_band_digest(event.object.extensions)
+            if self._read_in_band:
+                self._in_band = in_band_digest(event.object.extensions)
             self.assembler.begin(event.group_id, event.object_id, event.payload_length)
         elif isinstance(event, ObjectData):
             if event.stream_id not in self._skip:

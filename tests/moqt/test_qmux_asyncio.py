@@ -26,6 +26,7 @@ from moqt.qmux import QMuxConfig
 from moqt.qmux_asyncio import (
     QMuxEndpoint,
     QMuxServer,
+    ReceiveBuffers,
     client_ssl_context,
     connect_qmux,
     require_loopback,
@@ -33,7 +34,7 @@ from moqt.qmux_asyncio import (
     server_ssl_context,
 )
 from moqt.qmux_frames import NO_APPLICATION_PROTOCOL
-from moqt.session_events import FetchReceived, ObjectHeader, SubscribeReceived
+from moqt.session_events import FetchReceived, ObjectData, ObjectHeader, SubscribeReceived
 from moqt.wire import Location
 
 NS = (b"kvsp", b"qmux")
@@ -175,6 +176,63 @@ def test_fetch_into_a_sink(carrier: Carrier) -> None:
             assert buffer == b"".join(OBJECTS)
 
     run(carrier, client)
+
+
+def test_received_pieces_stay_intact_after_later_reads(carrier: Carrier) -> None:
+    """Payload pieces are read-only slices of the receive buffers, kept (not copied) across
+    two fetches of 6 MiB: later reads go to fresh buffers and never overwrite them."""
+
+    async def client(connection: MOQTConnection) -> None:
+        kept: list[memoryview] = []
+        for _ in range(2):
+            response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 3))
+            pieces: list[memoryview] = []
+            async for event in response.track.events():
+                if isinstance(event, ObjectData):
+                    pieces.append(event.data)
+            kept.extend(pieces)
+            assert b"".join(pieces) == b"".join(OBJECTS)
+        assert all(piece.readonly for piece in kept)
+        assert len({id(piece.obj) for piece in kept}) > 2  # several receive buffers
+        assert b"".join(kept) == b"".join(OBJECTS) * 2
+
+    run(carrier, client)
+
+
+def test_object_writes_are_coalesced_into_few_stream_frames(carrier: Carrier) -> None:
+    """32 objects written as K and V (64 payload pieces) leave as a few large STREAM frames,
+    not one frame per piece."""
+    layers = [(os.urandom(32 << 10), os.urandom(32 << 10)) for _ in range(32)]
+
+    async def handler(connection: MOQTConnection) -> None:
+        event = await connection.next_request()
+        assert isinstance(event, FetchReceived)
+        connection.session.fetch_ok(event.request_id, end_location=Location(0, 31))
+        stream_id = await connection.open_fetch_stream(event.request_id)
+        for index, (k, v) in enumerate(layers):
+            connection.session.begin_fetch_object(
+                stream_id, group_id=0, object_id=index, payload_length=len(k) + len(v)
+            )
+            await connection.write_payload(stream_id, k)
+            await connection.write_payload(stream_id, v, end_stream=index == 31)
+        await connection.wait_closed()
+
+    async def client(connection: MOQTConnection) -> None:
+        reader = connection._protocol.quic._reader
+        frames: list[int] = []
+        parse = reader._stream_header
+
+        def counting(*args: object) -> None:
+            frames.append(1)
+            parse(*args)
+
+        reader._stream_header = counting
+        response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 32))
+        objects = [obj async for obj in response.track.objects()]
+        assert [bytes(obj.payload) for obj in objects] == [k + v for k, v in layers]
+        assert len(frames) <= 24  # 2 MiB in 256 KiB batches and a first piece; 65 per piece
+
+    run(carrier, client, handler=handler)
 
 
 def test_subscribe_to_a_live_track(carrier: Carrier) -> None:
@@ -326,3 +384,27 @@ def test_endpoint_needs_its_address_parts() -> None:
         QMuxEndpoint("tls", "127.0.0.1")
     with pytest.raises(ValueError):
         QMuxEndpoint("udp", "127.0.0.1", 1)  # type: ignore[arg-type]
+
+
+def test_receive_buffers_hand_out_read_only_bytes_never_overwritten() -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300)
+    tail = buffers.get_buffer(-1)
+    assert len(tail) == 1000
+    tail[:600] = b"a" * 600
+    first = buffers.filled(600)
+    assert first.readonly and first == b"a" * 600
+    tail = buffers.get_buffer(-1)  # 400 free: still the same buffer
+    assert len(tail) == 400
+    tail[:200] = b"b" * 200
+    second = buffers.filled(200)
+    assert second.obj is first.obj
+    tail = buffers.get_buffer(100)  # 200 free, under min_read, but the hint fits
+    assert len(tail) == 200
+    buffers.filled(0)
+    tail = buffers.get_buffer(-1)  # under min_read: a fresh buffer
+    assert len(tail) == 1000
+    tail[:] = b"c" * 1000
+    third = buffers.filled(1000)
+    assert third.obj is not first.obj
+    assert len(buffers.get_buffer(5000)) == 5000  # full: a fresh one, as large as the hint
+    assert first == b"a" * 600 and second == b"b" * 200 and third == b"c" * 1000

@@ -6,8 +6,8 @@ over plain TCP on loopback and QMux over a Unix socket, and ``kvsp serve instanc
 its computed blocks to the relay over the Unix socket (``--relay moqt+unix://...``). The relay's
 Replica Records name its QUIC URI as holder and list the three carriers in ``moqt_carriers``
 (fastest first). A reader then fetches a block through the relay, layer by layer into a sink and
-verified against the record: over the Unix socket (the relay is on this host), over TLS when the
-record offers only TLS, and over QUIC when the carriers it offers all fail.
+verified against the record: over the Unix socket (the relay is on this host), over TLS or
+plain TCP when the record offers only that, and over QUIC when the carriers it offers all fail.
 """
 
 from __future__ import annotations
@@ -173,10 +173,11 @@ async def scenario(
     used, sink = await fetch(record)  # the relay is on this host: its Unix socket
     assert used.startswith("unix:"), used
     check(sink)
-    tls_only = dataclasses.replace(record, moqt_carriers=(carriers[2],))
-    used, sink = await fetch(tls_only)
-    assert used.startswith("tls:"), used
-    check(sink)
+    for carrier, kind in ((carriers[2], "tls:"), (carriers[1], "tcp:")):
+        only = dataclasses.replace(record, moqt_carriers=(carrier,))
+        used, sink = await fetch(only)
+        assert used.startswith(kind), used
+        check(sink)
     dead = dataclasses.replace(record, moqt_carriers=("moqt+tls://127.0.0.1:1/",))
     used, sink = await fetch(dead)  # the carrier refuses: QUIC, the holder URI, serves
     assert used.startswith("quic:"), used

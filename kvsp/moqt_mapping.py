@@ -375,6 +375,11 @@ class LayerAssembler:
     ``token_count`` None the token count is read off the first payload's length and the
     geometry. The receiver thus rebuilds what the container header would have said.
 
+    With ``hash_below`` set, the payload is hashed as it arrives only when the whole range
+    (layers × payload length, known at the first object) is shorter than that many octets;
+    otherwise :attr:`hashing` is False and ``end`` returns no digest, for the caller to hash
+    the layers elsewhere (a worker thread, in batches: :mod:`kvsp.transfer.moqt_transfer`).
+
     Raises (from ``begin``):
         ContainerError: an object outside group 0 or the range, a repeated layer, or a payload
             length the geometry (and token count) does not give.
@@ -388,6 +393,7 @@ class LayerAssembler:
         *,
         token_count: int | None = None,
         sink: LayerSink | None = None,
+        hash_below: int | None = None,
     ) -> None:
         if not 0 <= first <= last < geometry.layers:
             raise ContainerError(f"layers {first}..{last} of a {geometry.layers}-layer block")
@@ -395,6 +401,9 @@ class LayerAssembler:
         self.first = first
         self.last = last
         self.token_count = token_count
+        self.hashing = True
+        """Whether the payload is hashed as it arrives (``end`` then returns the digest)."""
+        self._hash_below = hash_below
         self._sink = sink
         self._payload_length: int | None = None
         self._buffer: memoryview | None = None
@@ -416,6 +425,15 @@ class LayerAssembler:
     def layers(self) -> tuple[Layer, ...]:
         """The layers assembled so far, ascending."""
         return tuple(self._layers[index] for index in sorted(self._layers))
+
+    def span(self, first: int, last: int) -> memoryview | None:
+        """The payload octets of layers ``first..last`` (ended ones, absolute indices) as one
+        view of the block buffer, K ‖ V of each in turn; None when the layers are in a sink's
+        memory (not one contiguous buffer)."""
+        if self._buffer is None or self._payload_length is None:
+            return None
+        size = self._payload_length
+        return self._buffer[(first - self.first) * size : (last + 1 - self.first) * size]
 
     def _section_length(self, payload_length: int) -> int:
         if payload_length % 2:
@@ -450,6 +468,8 @@ class LayerAssembler:
         if self._payload_length is None:
             self._section_length(payload_length)
             self._payload_length = payload_length
+            below = self._hash_below
+            self.hashing = below is None or self.count * payload_length < below
         elif payload_length != self._payload_length:
             raise ContainerError(
                 f"layer {object_id} has {payload_length} octets, the others {self._payload_length}"
@@ -464,7 +484,8 @@ class LayerAssembler:
             k = self._buffer[start : start + section]
             v = self._buffer[start + section : start + payload_length]
         self._current = (object_id, k, v)
-        self._hash = hashlib.sha256()
+        if self.hashing:
+            self._hash = hashlib.sha256()
         self._filled = 0
 
     def feed(self, data: memoryview) -> None:
@@ -478,7 +499,8 @@ class LayerAssembler:
         size = len(data)
         if self._filled + size > self._payload_length:
             raise ContainerError("more payload than the object declared")
-        self._hash.update(data)
+        if self.hashing:
+            self._hash.update(data)
         _, k, v = self._current
         section = len(k)
         offset, taken = self._filled, 0
@@ -490,8 +512,9 @@ class LayerAssembler:
             v[start : start + size - taken] = data[taken:]
         self._filled += size
 
-    def end(self) -> tuple[Layer, bytes]:
-        """The current object is complete: its layer and layer digest.
+    def end(self) -> tuple[Layer, bytes | None]:
+        """The current object is complete: its layer and layer digest (None when not
+        :attr:`hashing`: the caller hashes the layer).
 
         Raises:
             ContainerError: no object has begun, or its payload is short.
@@ -501,4 +524,4 @@ class LayerAssembler:
             raise ContainerError("an object ended before its payload was complete")
         index, k, v = current
         layer = self._layers[index] = Layer(index, k, v)
-        return layer, self._hash.digest()
+        return layer, self._hash.digest() if self.hashing else None

@@ -26,7 +26,7 @@ from typing import Self
 
 from kvsp.container import Geometry, Layer, mismatch, replica_digest
 from kvsp.container_reader import LayerSink
-from kvsp.errors import DigestMismatch, LayersUnavailable, TransportError
+from kvsp.errors import LayersUnavailable, TransportError
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.moqt_mapping import (
     LayerAssembler,
@@ -45,8 +45,11 @@ from kvsp.transfer.moqt_carriers import (
 )
 from kvsp.transfer.moqt_publisher import REFUSED_REQUESTS
 from kvsp.transfer.moqt_transfer import (
+    HASH_BATCH,
+    HASH_INLINE_BELOW,
     BlockStream,
     FetchPlan,
+    LayerChecks,
     LiveBlock,
     MoqtAddress,
     ObjectFeed,
@@ -107,6 +110,10 @@ class MoqtBlockClient:
         self.policy = policy or CarrierPolicy()
         self._token = auth_token.encode() if isinstance(auth_token, str) else auth_token
         self.timeout = timeout
+        self.hash_inline_below = HASH_INLINE_BELOW
+        """FETCHes of fewer octets are hashed on the event loop; larger ones in batches of
+        :attr:`hash_batch` octets on worker threads (:class:`LayerChecks`)."""
+        self.hash_batch = HASH_BATCH
         self._failed: dict[MoqtAddress, float] = {}  # carrier → monotonic time it failed
         self._sessions: dict[MoqtAddress, tuple[contextlib.AsyncExitStack, MOQTConnection]] = {}
         self._locks: dict[MoqtAddress, asyncio.Lock] = {}
@@ -267,11 +274,21 @@ class MoqtBlockClient:
         address, connection = await self.connect_any(self._plan_candidates(plan))
         response = await self._request_fetch(connection, plan, address)
         assembler = LayerAssembler(
-            plan.geometry, plan.first, plan.last, token_count=plan.token_count, sink=plan.sink
+            plan.geometry,
+            plan.first,
+            plan.last,
+            token_count=plan.token_count,
+            sink=plan.sink,
+            hash_below=self.hash_inline_below,
         )
         objects = ObjectFeed(assembler, in_band=False)  # the record is authoritative
-        expected = plan.record.layer_digests
-        unchecked: list[tuple[Layer, bytes]] = []  # no layer_digests: checked as a whole
+        # §6.7: each layer against layer_digests, or all against the replica digest
+        checks = LayerChecks(
+            plan.record.layer_digests,
+            plan.record.digest,
+            batch=self.hash_batch,
+            span=assembler.span,
+        )
         reader = response.track
         watchdog = Watchdog(self.timeout, lambda: _cancel(connection, response.request_id))
         try:
@@ -280,17 +297,19 @@ class MoqtBlockClient:
                 done = objects.on(event)
                 if done is None:
                     continue
-                layer, digest, _ = done
-                if expected is None:
-                    unchecked.append((layer, digest))
-                elif digest != expected[layer.index]:
-                    # §6.7: clients MUST verify the layer digests against the record
-                    raise mismatch(layer.index, digest, expected[layer.index])
-                else:
+                checks.add(done[0], done[1])
+                for layer in checks.ready():
+                    yield layer
+            if not assembler.complete or watchdog.fired:
+                checks.cancel()
+            while checks.pending:  # the last batches: hash them, hand them out
+                await checks.wait()
+                for layer in checks.ready():
                     yield layer
         except SessionClosedError as exc:
             raise TransportError(f"the session with {plan.record.holder} ended: {exc}") from exc
         finally:
+            checks.cancel()
             watchdog.cancel()
             if not reader.ended:
                 _cancel(connection, response.request_id)
@@ -299,12 +318,9 @@ class MoqtBlockClient:
             raise TransportError(f"no data from {plan.record.holder} for {self.timeout} s")
         if not assembler.complete:
             raise LayersUnavailable("the fetch ended before every layer arrived")
-        if unchecked:
-            # §6.7: all layers retrieved, so their digests must give the replica digest
-            if replica_digest([d for _, d in unchecked]) != plan.record.digest:
-                raise DigestMismatch("the layers' digests do not give the replica digest")
-            for layer, _ in unchecked:
-                yield layer
+        checks.finish()
+        for layer in checks.ready():
+            yield layer
         stream.result = verified_block(plan, assembler)
 
     def _plan_candidates(self, plan: FetchPlan) -> tuple[MoqtAddress, ...]:
@@ -396,7 +412,8 @@ class MoqtBlockClient:
                 done = objects.on(event)
                 if done is None:
                     continue
-                layer, digest, in_band = done
+                layer, computed, in_band = done
+                digest = computed if computed is not None else layer.digest()
                 digests[layer.index] = digest
                 if in_band is None:
                     pending.append(layer)

@@ -5,9 +5,13 @@ objects become verified layers (DESIGN.md §4; spec §4.4 ``moqt_namespace``, §
 (:func:`parse_moqt_uri`), its ``moqt_namespace`` naming its own block
 (:func:`record_namespace`), codec raw, and the layers it lets a client verify.
 :class:`ObjectFeed` turns a track's data events into layers through a
-:class:`~kvsp.moqt_mapping.LayerAssembler`; :func:`verified_block` and :func:`check_live` rebuild
-and check the whole block once every object has arrived, since the objects carry no container
-header. :class:`BlockStream` hands the layers out one by one as each is verified.
+:class:`~kvsp.moqt_mapping.LayerAssembler`; :class:`LayerChecks` checks a FETCH's layers against
+the record (§6.7), those of a large block in batches on worker threads, so that hashing one
+batch overlaps receiving the next (hashlib releases the GIL on large inputs; one job a batch,
+since a job a layer costs more to dispatch than it saves), and hands them out in order, each
+only once it matched. :func:`verified_block` and :func:`check_live` rebuild and check the whole
+block once every object has arrived, since the objects carry no container header.
+:class:`BlockStream` hands the layers out one by one as each is verified.
 These are the parts of a transfer that hold no session; the sessions, and the FETCH and
 SUBSCRIBE that drive these parts, are :class:`~kvsp.transfer.moqt_client.MoqtBlockClient`'s.
 """
@@ -15,12 +19,17 @@ SUBSCRIBE that drive these parts, are :class:`~kvsp.transfer.moqt_client.MoqtBlo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable
+import hashlib
+import threading
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
-from kvsp.container import Container, Geometry, Layer, mismatch, replica_digest
+from kvsp import sha256x2
+from kvsp.container import Container, Geometry, Layer, layer_digest, mismatch, replica_digest
 from kvsp.container_reader import LayerSink
 from kvsp.errors import (
     ContainerError,
@@ -55,6 +64,13 @@ MOQT_SCHEME = "moqt"
 CARRIERS = {"moqt": "quic", "moqt+tls": "tls", "moqt+tcp": "tcp", "moqt+unix": "unix"}
 """URI scheme → the carrier under the MOQT session (DESIGN §4 Carriers)."""
 DEFAULT_MOQT_PORT = 443  # d16 §3.1.2: the moqt URI scheme's default port
+HASH_INLINE_BELOW = 256 * 1024
+"""A FETCH of fewer payload octets is hashed on the event loop as it arrives (the HTTP client's
+rule, :data:`kvsp.transfer.block_client.INLINE_BELOW`): a worker thread costs more than it saves."""
+HASH_BATCH = 512 * 1024
+"""Queued layers are handed to a worker thread once they hold this many octets (or the FETCH
+ended)."""
+HASH_THREADS = 2
 T = TypeVar("T")
 
 
@@ -216,23 +232,25 @@ class ObjectFeed:
         self._read_in_band = in_band  # False: the caller checks against the record only
         self._in_band: bytes | None = None
 
-    def on(self, event: MOQTEvent) -> tuple[Layer, bytes, bytes | None] | None:
-        """The layer (its computed digest and in-band digest) an event completes, if any.
+    def on(self, event: MOQTEvent) -> tuple[Layer, bytes | None, bytes | None] | None:
+        """The layer (its computed digest, None where the assembler does not hash, and its
+        in-band digest) an event completes, if any.
 
         Raises:
             ContainerError: an object that is not a layer of the block.
             TransportError: the data stream was reset.
         """
-        if isinstance(event, ObjectHeader):
-            if event.object.status != ObjectStatus.NORMAL:
+        if isinstance(event, ObjectData):  # most events: payload pieces
+            if not self._skip or event.stream_id not in self._skip:
+                self.assembler.feed(event.data)
+        elif isinstance(event, ObjectHeader):
+            start = event.object
+            if start.status != ObjectStatus.NORMAL:
                 self._skip.add(event.stream_id)
                 return None
             if self._read_in_band:
-                self._in_band = in_band_digest(event.object.extensions)
-            self.assembler.begin(event.group_id, event.object_id, event.payload_length)
-        elif isinstance(event, ObjectData):
-            if event.stream_id not in self._skip:
-                self.assembler.feed(event.data)
+                self._in_band = in_band_digest(start.extensions)
+            self.assembler.begin(start.group_id, start.object_id, start.payload_length)
         elif isinstance(event, ObjectEnd):
             if event.stream_id in self._skip:
                 self._skip.discard(event.stream_id)
@@ -254,6 +272,176 @@ def in_band_digest(extensions: tuple[KeyValuePair, ...]) -> bytes | None:
         return find_layer_digest(extensions)
     except Exception as exc:
         raise ContainerError(f"malformed layer-digest extension: {exc}") from None
+
+
+_hashers: ThreadPoolExecutor | None = None
+_hashers_lock = threading.Lock()
+
+
+def hash_executor() -> Executor:
+    """The worker threads that hash large FETCHes' layers (made at first use, shared)."""
+    global _hashers
+    with _hashers_lock:
+        if _hashers is None:
+            _hashers = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvsp-moqt-hash")
+        return _hashers
+
+
+def digest_layers(layers: Sequence[Layer]) -> list[bytes]:
+    """Each layer's digest (§4.3), in order: one worker-thread job."""
+    return [layer_digest(layer.k, layer.v) for layer in layers]
+
+
+def digest_span(data: memoryview, size: int) -> list[bytes]:
+    """The digests of the ``size``-octet layers that ``data`` holds one after another: one
+    worker-thread job. With :mod:`kvsp.sha256x2`, one native call that takes the GIL back once
+    (hashlib would take it back after every layer, each time waiting for the event loop)."""
+    if not sha256x2.ACCELERATED:
+        return [hashlib.sha256(data[at : at + size]).digest() for at in range(0, len(data), size)]
+    whole, layer = sha256x2.Sha256(), sha256x2.Sha256()  # feed_layers hashes the span twice:
+    # whole (unused) takes all of it, layer restarts at each layer end
+    digests = sha256x2.feed_layers(whole, layer, data, range(size, len(data), size))
+    digests.append(layer.digest())
+    return digests
+
+
+class LayerChecks:
+    """The layers of one FETCH checked against the record (§6.7) and handed out in order.
+
+    :meth:`add` takes each layer as its object ends, with its digest when the assembler hashed
+    it as it arrived (checked at once), or without: then it is queued, and once the queue holds
+    ``batch`` octets (or at :meth:`flush`) the queued layers are hashed in one worker-thread
+    job (``span``, where given, views consecutive layers as one buffer, hashed in one call).
+    :meth:`ready` hands out the layers that matched, in order, up to the first that did
+    not, which raises :class:`~kvsp.errors.DigestMismatch` naming it: no later layer is handed
+    out. With ``expected`` None (no ``layer_digests``) nothing is handed out until
+    :meth:`finish` has found the digests of all layers to give the ``replica`` digest.
+    """
+
+    def __init__(
+        self,
+        expected: Sequence[bytes] | None,
+        replica: bytes,
+        *,
+        batch: int = HASH_BATCH,
+        executor: Executor | None = None,
+        span: Callable[[int, int], memoryview | None] | None = None,
+    ) -> None:
+        self._expected = expected
+        self._span = span
+        self._replica = replica
+        self._batch = batch
+        self._executor = executor
+        self._queued: list[Layer] = []
+        self._octets = 0
+        self._jobs: deque[tuple[list[Layer], asyncio.Future[list[bytes]]]] = deque()
+        self._matched: deque[Layer] = deque()  # checked, not yet handed out
+        self._held: list[Layer] = []  # no layer_digests: wait for the replica digest
+        self._tail: list[tuple[Layer, bytes]] = []  # hashed at the end, after the jobs
+        self._digests: dict[int, bytes] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether layers are queued or being hashed."""
+        return bool(self._jobs or self._queued or self._tail)
+
+    def add(self, layer: Layer, digest: bytes | None) -> None:
+        """A layer whose object ended, with its digest if already computed.
+
+        Raises:
+            DigestMismatch: ``digest`` differs from the record's.
+        """
+        if digest is not None:
+            self._check(layer, digest)
+            return
+        self._queued.append(layer)
+        self._octets += len(layer.k) + len(layer.v)
+        if self._octets >= self._batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hash the queued layers now (one worker-thread job), however few."""
+        if not self._queued:
+            return
+        batch, self._queued, self._octets = self._queued, [], 0
+        executor = self._executor or hash_executor()
+        loop = asyncio.get_running_loop()
+        first, last = batch[0].index, batch[-1].index
+        whole = self._span(first, last) if self._span and last - first + 1 == len(batch) else None
+        if whole is not None:  # consecutive layers in one buffer: one native call
+            job = loop.run_in_executor(executor, digest_span, whole, len(whole) // len(batch))
+        else:
+            job = loop.run_in_executor(executor, digest_layers, batch)
+        self._jobs.append((batch, job))
+
+    def _check(self, layer: Layer, digest: bytes) -> None:
+        expected = self._expected
+        if expected is None:
+            self._digests[layer.index] = digest
+            self._held.append(layer)
+        elif digest != expected[layer.index]:
+            # §6.7: clients MUST verify the layer digests against the record
+            raise mismatch(layer.index, digest, expected[layer.index])
+        else:
+            self._matched.append(layer)
+
+    def ready(self) -> Iterator[Layer]:
+        """The layers that matched so far, in order (from the finished jobs at the head).
+
+        Raises:
+            DigestMismatch: the next layer differs from the record (after the ones before it).
+        """
+        matched, jobs = self._matched, self._jobs
+        while True:
+            while matched:
+                yield matched.popleft()
+            if jobs and jobs[0][1].done():
+                batch, job = jobs.popleft()
+                hashed: Sequence[tuple[Layer, bytes]] = list(zip(batch, job.result(), strict=True))
+            elif not jobs and self._tail:
+                hashed, self._tail = self._tail, []
+            else:
+                return
+            for layer, digest in hashed:
+                self._check(layer, digest)
+                while matched:
+                    yield matched.popleft()
+
+    async def wait(self) -> None:
+        """The transfer has ended: hash what is queued here, on the event loop thread, which
+        has nothing else to do while the worker finishes the batches before it (the last
+        batch then costs no hand-over); then wait for the oldest job (none: return at once)."""
+        if self._queued:
+            batch, self._queued, self._octets = self._queued, [], 0
+            self._tail.extend(zip(batch, digest_layers(batch), strict=True))
+        if self._jobs:
+            await asyncio.wait([self._jobs[0][1]])
+
+    def finish(self) -> None:
+        """Every layer has been hashed: without ``layer_digests``, check that their digests
+        give the replica digest, then let :meth:`ready` hand them out.
+
+        Raises:
+            DigestMismatch: they do not.
+        """
+        if self.pending:
+            raise RuntimeError("layers are still being hashed")
+        if self._held:
+            # §6.7: all layers retrieved, so their digests must give the replica digest
+            digests = [self._digests[index] for index in sorted(self._digests)]
+            if replica_digest(digests) != self._replica:
+                raise DigestMismatch("the layers' digests do not give the replica digest")
+            self._held.sort(key=lambda layer: layer.index)
+            self._matched.extend(self._held)
+            self._held.clear()
+
+    def cancel(self) -> None:
+        """Drop what is queued and cancel the jobs not yet started (the transfer stopped)."""
+        self._queued.clear()
+        self._tail.clear()
+        for _, job in self._jobs:
+            job.cancel()
+        self._jobs.clear()
 
 
 def rejected_error(exc: RequestRejected) -> KVSPError:

@@ -14,6 +14,13 @@ the time it arrived. The rules applied here:
   first and skipping pinned ones (leased blocks), and the caller withdraws their records before
   calling :meth:`ObjectCache.evict` (spec §6.1). Above ``hard_limit`` objects are not cached.
 
+Payloads are kept as they arrived when that is safe: a read-only buffer (``bytes``, or a read-only
+view of received data, which the transports never rewrite) is cached by reference, and an
+object that arrived in several pieces keeps them (:data:`Payload`), so a relay caches and
+forwards what it receives without copying it. Such a view keeps the buffer it was received
+into alive while cached, so only views of at least :data:`KEEP_VIEW_MIN` octets are kept; short
+pieces, and anything writable, are copied (:func:`frozen_payload`).
+
 Nothing here reads a clock: every call that needs the time takes ``now_ms``.
 """
 
@@ -23,10 +30,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeAlias
 
 from moqt.errors import ObjectStatus
 from moqt.messages_params import ExtensionType, track_extension
-from moqt.wire import KeyValuePair, Location, TrackNamespace
+from moqt.wire import Bytes, KeyValuePair, Location, TrackNamespace
 
 TrackKey = tuple[TrackNamespace, bytes]
 """A Full Track Name: (Track Namespace fields, Track Name)."""
@@ -35,6 +43,34 @@ OBJECT_OVERHEAD = 64
 """Octets charged per cached object besides its payload (bookkeeping)."""
 DEFAULT_TOMBSTONE_MS = 60_000
 
+Payload: TypeAlias = Bytes | tuple[Bytes, ...]
+"""A cached payload: one read-only buffer, or the read-only pieces it arrived in, in order
+(never joined; :meth:`~moqt.asyncio.MOQTConnection.write_payload` takes either)."""
+
+
+KEEP_VIEW_MIN = 16 << 10
+"""A read-only view at least this long is cached as it is; a shorter one is copied, so that a
+small piece never keeps a whole receive buffer (up to 1 MiB) alive by itself."""
+
+
+def frozen_payload(data: Bytes) -> Bytes:
+    """``data`` as a payload the cache may keep: itself when ``bytes``, or a read-only view
+    (received data, which is never rewritten) of at least :data:`KEEP_VIEW_MIN` octets; else
+    a copy."""
+    if type(data) is bytes or (
+        type(data) is memoryview and data.readonly and len(data) >= KEEP_VIEW_MIN
+    ):
+        return data
+    return bytes(data)
+
+
+def same_bytes(a: Bytes, b: Bytes) -> bool:
+    """Whether two buffers hold the same octets (compared as ``bytes``: comparing memoryviews
+    goes item by item, some twenty times slower)."""
+    if len(a) != len(b):
+        return False
+    return (a if type(a) is bytes else bytes(a)) == (b if type(b) is bytes else bytes(b))
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CachedObject:
@@ -42,7 +78,8 @@ class CachedObject:
 
     ``subgroup_id`` None means the object was sent as a datagram; ``publisher_priority`` None
     means it inherited the default; ``digest`` is the SHA-256 of the payload when the relay
-    computed it (KV block tracks).
+    computed it (KV block tracks). ``payload`` is read-only (see :func:`frozen_payload`), maybe
+    in pieces (:data:`Payload`): :attr:`size` and :meth:`payload_bytes` see it whole.
     """
 
     group_id: int
@@ -51,7 +88,7 @@ class CachedObject:
     publisher_priority: int | None
     extensions: tuple[KeyValuePair, ...]
     status: ObjectStatus
-    payload: bytes
+    payload: Payload
     arrived_ms: int
     digest: bytes | None = None
 
@@ -61,9 +98,20 @@ class CachedObject:
         return Location(self.group_id, self.object_id)
 
     @property
+    def size(self) -> int:
+        """The payload's length in octets."""
+        payload = self.payload
+        return sum(map(len, payload)) if type(payload) is tuple else len(payload)
+
+    def payload_bytes(self) -> Bytes:
+        """The payload as one buffer (joined, a copy, when it is in pieces)."""
+        payload = self.payload
+        return b"".join(payload) if isinstance(payload, tuple) else payload
+
+    @property
     def charge(self) -> int:
         """Octets this object counts against the budget."""
-        return len(self.payload) + OBJECT_OVERHEAD
+        return self.size + OBJECT_OVERHEAD
 
     def conflict(self, other: CachedObject) -> str | None:
         """Why ``other`` (a copy of this object) makes the track malformed, or None.
@@ -71,7 +119,7 @@ class CachedObject:
         Extensions may change between copies (d16: only as each extension allows); the
         payload, subgroup, priority and status may not.
         """
-        if other.payload != self.payload:
+        if not same_bytes(other.payload_bytes(), self.payload_bytes()):
             return "a different payload for a cached object"
         return self.header_conflict(other.subgroup_id, other.publisher_priority, other.status)
 
@@ -99,6 +147,9 @@ class CacheTrack:
     group_ends: dict[int, int] = field(default_factory=dict)
     """Group ID → last Object ID, once known (END_OF_GROUP, a digest match, FETCH_OK)."""
     size: int = 0
+    dropped: int = 0
+    """How many times objects expired out of this entry (objects are otherwise only added
+    while it exists), so that a reader can tell whether what it saw is all still here."""
 
     @property
     def max_cache_ms(self) -> int | None:
@@ -349,6 +400,8 @@ class ObjectCache:
             obj = entry.objects.pop(loc)
             entry.size -= obj.charge
             self.size -= obj.charge
+        if stale:
+            entry.dropped += 1
         if stale and not entry.objects:
             self._remove(entry.key)
         return bool(stale)

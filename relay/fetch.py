@@ -9,29 +9,42 @@ copies (a differing copy resets the stream with MALFORMED_TRACK and tombstones t
 cached. A track the session finds malformed while parsing (it has stopped the upstream stream
 and sent FETCH_CANCEL) is tombstoned the same way and the downstream stream reset with
 MALFORMED_TRACK. A REQUEST_ERROR upstream is passed on with its code.
+
+The upstream objects are handled where they arrive: the upstream reader's payload and
+object-end sinks (:meth:`~moqt.asyncio.TrackReader.set_payload_sink`) write each piece to the
+downstream stream at once, as the slice of received data it is (no copy, no event object, no
+task switch), with one transmit per batch of received data; the objects completed in that
+batch are cached (their layer digests computed) just after that transmit, so the subscriber
+works on the bytes meanwhile, and before the stream's FIN is forwarded. Only the stream's end
+goes through the reader's iterator. While the downstream stream holds more than
+:data:`~moqt.transport.SEND_HIGH_WATER` octets, pieces wait in order in a backlog that a task
+writes as the stream drains.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+from collections import deque
 
 from moqt.asyncio import MalformedTrackError, MOQTConnection, RequestRejected, SessionClosedError
 from moqt.errors import RequestErrorCode, StreamResetCode
 from moqt.messages import StandaloneFetch
+from moqt.objects import ObjectStart
 from moqt.session_events import (
     DataStreamFinished,
     DataStreamReset,
     MalformedTrackDetected,
     MOQTEvent,
-    ObjectData,
-    ObjectEnd,
     ObjectHeader,
 )
 from moqt.session_state import LocalProtocolError
+from moqt.transport import SEND_HIGH_WATER
+from moqt.wire import Bytes
 
 from .cache import FetchPlan
-from .ingest import ObjectIngest
+from .ingest import CompleteObject, ObjectIngest
 from .track import TrackHooks
 
 log = logging.getLogger(__name__)
@@ -58,7 +71,7 @@ async def serve_cached(connection: MOQTConnection, request_id: int, plan: FetchP
                 stream,
                 group_id=obj.group_id,
                 object_id=obj.object_id,
-                payload_length=len(obj.payload),
+                payload_length=obj.size,
                 subgroup_id=obj.subgroup_id,
                 publisher_priority=DEFAULT_PRIORITY
                 if obj.publisher_priority is None
@@ -101,7 +114,8 @@ async def proxy_fetch(
     hooks.cache.open_track(key, ok.track_extensions)
     if ok.end_of_track:
         hooks.cache.set_group_end(key, ok.end_location.group, ok.end_location.object)
-    relay = _FetchRelay(connection, request_id, ObjectIngest(hooks.cache, key), hooks)
+    relay = _FetchRelay(connection, ObjectIngest(hooks.cache, key), hooks)
+    relay.upstream = (source, response.request_id)
     try:
         session.fetch_ok(
             request_id,
@@ -110,18 +124,18 @@ async def proxy_fetch(
             track_extensions=ok.track_extensions,
         )
         relay.stream = await connection.open_fetch_stream(request_id)
+        # what arrived meanwhile goes to the sinks now, in order; the rest as it arrives
+        response.track.set_payload_sink(relay.piece, object_end=relay.object_end)
         async for event in response.track.events():
-            if not await relay.on_event(event):
+            if not relay.on_event(event):
                 break
+        await relay.drained()
     except (LocalProtocolError, SessionClosedError):
         relay.failed = True  # FETCH_CANCEL downstream, or a session closed
     except MalformedTrackError as exc:  # normally seen first as MalformedTrackDetected
         relay.malformed(exc.reason)
     finally:
         relay.close()
-        if not relay.completed:  # failed, or cancelled (the subscriber left)
-            with contextlib.suppress(LocalProtocolError, SessionClosedError):
-                source.fetch_cancel(response.request_id)
     return True
 
 
@@ -131,65 +145,180 @@ def _refuse(connection: MOQTConnection, request_id: int, code: int, reason: str)
         connection.transmit()
 
 
-class _FetchRelay:
-    """Forwards one upstream fetch stream downstream, through the cache."""
+_FIN = None  # the backlog's entry for the end of the stream
 
-    def __init__(
-        self, connection: MOQTConnection, request_id: int, ingest: ObjectIngest, hooks: TrackHooks
-    ) -> None:
+
+class _FetchRelay:
+    """Forwards one upstream fetch stream downstream, through the cache.
+
+    :meth:`piece` and :meth:`object_end` are the upstream reader's sinks (called where the
+    upstream data is received); :meth:`on_event` takes the reader's stream events. Writes go
+    out in order: straight to the session while the stream holds at most
+    :data:`SEND_HIGH_WATER` octets and nothing waits, else through the backlog.
+    """
+
+    def __init__(self, connection: MOQTConnection, ingest: ObjectIngest, hooks: TrackHooks) -> None:
         self.connection = connection
-        self.request_id = request_id
         self.ingest = ingest
         self.hooks = hooks
         self.stream: int | None = None
+        self.upstream: tuple[MOQTConnection, int] | None = None  # (source, its request id)
         self.finished = False  # our stream is closed (FIN or reset)
         self.completed = False  # the upstream stream ended with a FIN
         self.failed = False
+        self._begun: dict[int, ObjectHeader] = {}  # upstream stream → the object forwarded
+        self._backlog: deque[ObjectStart | Bytes | None] = deque()
+        self._writer: asyncio.Task[None] | None = None
+        self._transmit_pending = False
+        self._completed: list[CompleteObject] = []  # to store after the transmit
 
-    async def on_event(self, event: MOQTEvent) -> bool:
-        """Forward one upstream event; False when the fetch must stop."""
-        session, stream, now = self.connection.session, self.stream, self.hooks.now_ms()
-        if stream is None:
-            return False
-        if isinstance(event, ObjectHeader):
-            if (reason := self.ingest.begin(event.stream_id, event.object, now)) is not None:
-                return self._malformed(reason)
-            obj = event.object
-            session.begin_fetch_object(
-                stream,
-                group_id=obj.group_id,
-                object_id=obj.object_id,
-                payload_length=obj.payload_length,
-                subgroup_id=obj.subgroup_id,
-                publisher_priority=DEFAULT_PRIORITY
-                if obj.publisher_priority is None
-                else obj.publisher_priority,
-                extensions=obj.extensions,
-            )
-        elif isinstance(event, ObjectData):
-            if (reason := self.ingest.data(event.stream_id, event.data, now)) is not None:
-                return self._malformed(reason)
-            await self.connection.write_payload(stream, event.data)
-        elif isinstance(event, ObjectEnd):
-            ended = self.ingest.end(event.stream_id, now)
+    # --- the upstream reader's sinks (in the upstream connection's event handler) -------------
+
+    def piece(self, header: ObjectHeader, data: memoryview, offset: int) -> None:
+        """A payload piece of the object ``header`` describes: cache it, forward it."""
+        if self.failed:
+            return
+        if self._begun.get(header.stream_id) is not header and not self._begin(header):
+            return
+        if (reason := self.ingest.data(header.stream_id, data, self.hooks.now_ms())) is not None:
+            self._malformed(reason)
+            return
+        self._send(data)
+
+    def object_end(self, header: ObjectHeader) -> None:
+        """The object ``header`` describes is complete: cache it once this batch of received
+        data has been transmitted (:meth:`store_completed`)."""
+        if self.failed:
+            return
+        if self._begun.get(header.stream_id) is not header and not self._begin(header):
+            return  # a zero-length object: its header was not forwarded yet
+        complete = self.ingest.complete(header.stream_id)
+        if complete is None:
+            return
+        self._completed.append(complete)
+        if len(self._completed) == 1:  # after the transmit _send asked for
+            asyncio.get_running_loop().call_soon(self.store_completed)
+
+    def store_completed(self) -> bool:
+        """Cache the completed objects, in order: their layer digests are computed here, after
+        their bytes went on downstream, so that the subscriber works on them meanwhile. Runs
+        before the stream's FIN is forwarded (a layer that fails its digest resets the stream
+        instead). False when the fetch has failed."""
+        completed, self._completed = self._completed, []
+        for complete in completed:
+            ended = self.ingest.store(complete, self.hooks.now_ms())
             if ended.malformed is not None:
-                return self._malformed(ended.malformed)
+                self._malformed(ended.malformed)
+                return False  # the rest would be refused: the track is tombstoned
             if ended.replica is not None:
                 self.hooks.on_replica(ended.replica)
             self.hooks.on_cached()
-        elif isinstance(event, DataStreamFinished):
-            self.ingest.stream_finished(event.stream_id, False)
-            session.finish_stream(stream)
-            self.finished = self.completed = True
-            self.connection.transmit()
+        return not self.failed
+
+    def _begin(self, header: ObjectHeader) -> bool:
+        self._begun[header.stream_id] = header
+        reason = self.ingest.begin(header.stream_id, header.object, self.hooks.now_ms())
+        if reason is not None:
+            self._malformed(reason)
             return False
-        elif isinstance(event, DataStreamReset):
+        self._send(header.object)
+        return True
+
+    # --- the reader's stream events ---------------------------------------------------------
+
+    def on_event(self, event: MOQTEvent) -> bool:
+        """One upstream stream event; False when the fetch must stop."""
+        if self.failed:
+            return False
+        if isinstance(event, DataStreamFinished):
+            if not self.store_completed():
+                return False  # a layer failed its digest: the stream was reset
+            self.ingest.stream_finished(event.stream_id, False)
+            self.completed = True
+            self._send(_FIN)
+            return False
+        if isinstance(event, DataStreamReset):
             self.ingest.stream_reset(event.stream_id)
             self._reset(event.error_code)
             return False
-        elif isinstance(event, MalformedTrackDetected):
+        if isinstance(event, MalformedTrackDetected):
             return self.malformed(event.reason)
         return True
+
+    # --- writing downstream -----------------------------------------------------------------
+
+    def _send(self, item: ObjectStart | Bytes | None) -> None:
+        """Write ``item`` (an object's fields, a payload piece, or the FIN) now, or queue it."""
+        stream = self.stream
+        if self.finished or stream is None:
+            return
+        session = self.connection.session
+        if self._writer is not None or session.send_buffered(stream) > SEND_HIGH_WATER:
+            self._backlog.append(item)
+            if self._writer is None:
+                self._writer = asyncio.get_running_loop().create_task(self._write_backlog())
+            return
+        try:
+            self._write_now(stream, item)
+        except LocalProtocolError:  # FETCH_CANCEL downstream, or its session closed
+            self._fail()
+            return
+        self._transmit_soon()
+
+    def _write_now(self, stream: int, item: ObjectStart | Bytes | None) -> None:
+        session = self.connection.session
+        if item is _FIN:
+            session.finish_stream(stream)
+            self.finished = True
+        elif isinstance(item, ObjectStart):
+            session.begin_fetch_object(
+                stream,
+                group_id=item.group_id,
+                object_id=item.object_id,
+                payload_length=item.payload_length,
+                subgroup_id=item.subgroup_id,
+                publisher_priority=DEFAULT_PRIORITY
+                if item.publisher_priority is None
+                else item.publisher_priority,
+                extensions=item.extensions,
+            )
+        else:
+            session.write_payload(stream, item)
+
+    async def _write_backlog(self) -> None:
+        """Write the backlog in order, waiting while the stream holds a lot."""
+        backlog, stream = self._backlog, self.stream
+        try:
+            while backlog and stream is not None and not self.finished:
+                item = backlog.popleft()
+                if item is _FIN or isinstance(item, ObjectStart):
+                    self._write_now(stream, item)
+                else:
+                    await self.connection.write_payload(stream, item)
+            self.connection.transmit()
+        except (LocalProtocolError, SessionClosedError):
+            self._fail()
+        finally:
+            self._writer = None
+
+    async def drained(self) -> None:
+        """Wait until the backlog is written."""
+        while (writer := self._writer) is not None:
+            await asyncio.wait((writer,))  # not raising when a reset cancelled it
+
+    def _transmit_soon(self) -> None:
+        """One transmit for what this batch of received data wrote."""
+        if not self._transmit_pending:
+            self._transmit_pending = True
+            asyncio.get_running_loop().call_soon(self._transmit)
+
+    def _transmit(self) -> None:
+        if self._transmit_pending:
+            self._transmit_pending = False
+            with contextlib.suppress(LocalProtocolError):
+                self.connection.transmit()
+
+    # --- ending -----------------------------------------------------------------------------
 
     def malformed(self, reason: str) -> bool:
         """The session found the upstream track malformed: tombstone it, reset downstream."""
@@ -199,20 +328,42 @@ class _FetchRelay:
     def _malformed(self, reason: str) -> bool:
         log.warning("fetched track is malformed: %s", reason)
         self._reset(StreamResetCode.MALFORMED_TRACK)
-        self.failed = True
+        self._fail()
         return False
 
+    def _fail(self) -> None:
+        """Stop forwarding; the upstream fetch is cancelled soon after (which ends its reader,
+        so :func:`proxy_fetch` returns)."""
+        if not self.failed:
+            self.failed = True
+            asyncio.get_running_loop().call_soon(self._cancel_upstream)
+
+    def _cancel_upstream(self) -> None:
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            with contextlib.suppress(LocalProtocolError, SessionClosedError):
+                upstream[0].fetch_cancel(upstream[1])
+
     def _reset(self, code: int) -> None:
+        self._backlog.clear()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.cancel()
         if self.stream is not None and not self.finished:
             # the stream's header goes out first: a reset stream the subscriber never saw the
             # header of names no request, and its FETCH would wait forever (qh3 sends nothing
             # of a stream reset before its first transmit)
-            self.connection.transmit()
-            self.connection.session.reset_data_stream(self.stream, code)
-            self.connection.transmit()
             self.finished = True
+            with contextlib.suppress(LocalProtocolError):
+                self.connection.transmit()
+                self.connection.session.reset_data_stream(self.stream, code)
+                self.connection.transmit()
 
     def close(self) -> None:
-        """Make sure the downstream stream does not stay open."""
+        """Cache what arrived whole; make sure the downstream stream does not stay open and,
+        unless the upstream stream ended with its FIN, that the upstream fetch is cancelled."""
+        self.store_completed()
         if not self.finished:
             self._reset(StreamResetCode.CANCELLED)
+        if not self.completed:  # failed, or cancelled (the subscriber left)
+            self._cancel_upstream()

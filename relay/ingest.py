@@ -6,9 +6,11 @@ PUBLISH or a FETCH) piece by piece, as the session hands them out:
 * an object already cached is compared with the cached copy as its payload arrives, so a
   differing copy is caught before its differing bytes are forwarded (``begin``/``data`` return
   the reason; the track is then tombstoned as malformed);
-* a new object is assembled and cached at its end; for a stored KV replica track its layer
-  digest is computed on the way, checked against the in-band digest, and the completed replica
-  is reported when the layer digests hash to the track name (:mod:`relay.kv`);
+* a new object is cached at its end, as the pieces it arrived in (read-only received data is
+  kept, never copied or joined: :func:`~relay.cache.frozen_payload`);
+  for a stored KV replica track its layer digest is computed then, checked against the
+  in-band digest, and the completed replica is reported when the layer digests hash to the
+  track name (:mod:`relay.kv`; :class:`~relay.kv.ReplicaWatch` asks once per block);
 * status objects are not cached (FETCH carries none in d16); END_OF_GROUP and END_OF_TRACK, and
   a FIN on a stream whose header says END_OF_GROUP, record the group's last object.
 """
@@ -16,24 +18,38 @@ PUBLISH or a FETCH) piece by piece, as the session hands them out:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from moqt.errors import ObjectStatus
 from moqt.objects import ObjectDatagram, ObjectStart
-from moqt.wire import Location
+from moqt.wire import Bytes, Location
 
-from .cache import CachedObject, ObjectCache, PutResult, TrackKey
-from .kv import BlockTrack, KVReplica, block_track, check_layer, complete_replica
+from .cache import (
+    CachedObject,
+    ObjectCache,
+    Payload,
+    PutResult,
+    TrackKey,
+    frozen_payload,
+    same_bytes,
+)
+from .kv import BlockTrack, KVReplica, ReplicaWatch, block_track, check_layer
 
 
 @dataclass(slots=True)
 class _Object:
     start: ObjectStart
     cached: CachedObject | None  # the copy to compare with, or None for a new object
-    buffer: bytearray
-    hasher: Any  # hashlib's sha256 object, for KV tracks
+    pieces: list[Bytes] = field(default_factory=list)  # of a new object, as they arrived
     offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CompleteObject:
+    """A new object whose payload is complete, not yet cached (:meth:`ObjectIngest.store`)."""
+
+    start: ObjectStart
+    pieces: list[Bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +68,7 @@ class ObjectIngest:
         self.cache = cache
         self.key = key
         self.block: BlockTrack | None = block_track(key)
+        self._watch = None if self.block is None else ReplicaWatch(self.block)
         self._objects: dict[int, _Object] = {}  # stream id → object in progress
         self._last: dict[int, Location] = {}  # stream id → last object seen on it
 
@@ -74,38 +91,54 @@ class ObjectIngest:
             reason = cached.header_conflict(
                 start.subgroup_id, start.publisher_priority, start.status
             )
-            if reason is None and len(cached.payload) != start.payload_length:
+            if reason is None and cached.size != start.payload_length:
                 reason = "a different payload length for a cached object"
             if reason is not None:
                 return self._malformed(reason, now_ms)
-        hasher = hashlib.sha256() if self.block is not None and cached is None else None
-        self._objects[stream_id] = _Object(start, cached, bytearray(), hasher)
+        self._objects[stream_id] = _Object(start, cached)
         return None
 
-    def data(self, stream_id: int, chunk: memoryview, now_ms: int) -> str | None:
+    def data(self, stream_id: int, chunk: Bytes, now_ms: int) -> str | None:
         """A piece of the current object's payload; the reason when it differs from the
-        cached copy."""
+        cached copy. A read-only piece is kept as it is (the caller may forward it too)."""
         current = self._objects.get(stream_id)
         if current is None:
             return None
         if current.cached is not None:
             end = current.offset + len(chunk)
-            if current.cached.payload[current.offset : end] != chunk:
+            if not same_bytes(current.cached.payload_bytes()[current.offset : end], chunk):
                 self._objects.pop(stream_id)
                 return self._malformed("a different payload for a cached object", now_ms)
         else:
-            current.buffer += chunk
-            if current.hasher is not None:
-                current.hasher.update(chunk)
+            current.pieces.append(frozen_payload(chunk))
         current.offset += len(chunk)
         return None
 
     def end(self, stream_id: int, now_ms: int) -> Ended:
         """The current object's payload is complete: cache it."""
+        return self.store(self.complete(stream_id), now_ms)
+
+    def complete(self, stream_id: int) -> CompleteObject | None:
+        """The current object's payload is complete: take it off the stream (the next object
+        may begin) to :meth:`store` later; None when there is nothing to store."""
         current = self._objects.pop(stream_id, None)
         if current is None or current.cached is not None:
+            return None
+        return CompleteObject(current.start, current.pieces)
+
+    def store(self, complete: CompleteObject | None, now_ms: int) -> Ended:
+        """Cache an object :meth:`complete` took (its layer digest computed now, for a KV
+        track), in the order they completed."""
+        if complete is None:
             return Ended()
-        start = current.start
+        start, pieces = complete.start, complete.pieces
+        payload: Payload = pieces[0] if len(pieces) == 1 else tuple(pieces)
+        digest = None
+        if self.block is not None:
+            hasher = hashlib.sha256()
+            for piece in pieces:
+                hasher.update(piece)
+            digest = hasher.digest()
         obj = CachedObject(
             group_id=start.group_id,
             object_id=start.object_id,
@@ -113,9 +146,9 @@ class ObjectIngest:
             publisher_priority=start.publisher_priority,
             extensions=start.extensions,
             status=start.status,
-            payload=bytes(current.buffer),
+            payload=payload,
             arrived_ms=now_ms,
-            digest=None if current.hasher is None else current.hasher.digest(),
+            digest=digest,
         )
         return self._store(obj, now_ms)
 
@@ -127,10 +160,10 @@ class ObjectIngest:
         result = self.cache.put(self.key, obj)
         if result == PutResult.MALFORMED:
             return Ended(malformed="a different copy of a cached object")
-        if result != PutResult.STORED or self.block is None:
+        if result != PutResult.STORED or self._watch is None:
             return Ended()
         track = self.cache.track(self.key)
-        replica = None if track is None else complete_replica(self.block, track)
+        replica = None if track is None else self._watch.stored(track)
         if replica is not None:
             self.cache.set_group_end(self.key, 0, replica.layers - 1)
         return Ended(replica=replica)
@@ -155,7 +188,7 @@ class ObjectIngest:
             if datagram.object_id > 0:
                 self.cache.set_group_end(self.key, datagram.group_id, datagram.object_id - 1)
             return Ended()
-        payload = bytes(datagram.payload)
+        payload = frozen_payload(datagram.payload)
         obj = CachedObject(
             group_id=datagram.group_id,
             object_id=datagram.object_id,

@@ -7,11 +7,15 @@ this module applies it to the relay's cache:
 * :func:`check_layer` checks each object against its in-band layer digest, when present;
 * :func:`complete_replica` knows a stored track is complete when the layer digests of objects
   0..L-1 hash to the track name: the name pins the bytes, so no end-of-group signal is needed;
+* :class:`ReplicaWatch` follows those digests as objects are cached (one running hash), so that
+  :func:`complete_replica` runs once per block, when they first hash to the name, not once
+  per object;
 * :func:`replica_record` builds the Replica Record the relay publishes for such a track.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from kvsp.container import header_size, replica_digest
@@ -27,6 +31,7 @@ from kvsp.moqt_mapping import (
 from kvsp.records import ReplicaRecord, Residency
 from kvsp.registries import Codec, Tier
 from moqt.errors import MOQTError
+from moqt.wire import Location
 
 from .cache import CachedObject, CacheTrack, TrackKey
 
@@ -102,8 +107,44 @@ def complete_replica(block: BlockTrack, track: CacheTrack) -> KVReplica | None:
     digests = tuple(obj.digest for obj in layers if obj.digest is not None)
     if replica_digest(digests) != block.digest:
         return None
-    size = header_size(len(layers)) + sum(len(obj.payload) for obj in layers)
+    size = header_size(len(layers)) + sum(obj.size for obj in layers)
     return KVReplica(block, track.key, digests, size, track.expires_ms())
+
+
+class ReplicaWatch:
+    """Whether a stored replica track may have just become complete, in O(1) per cached object.
+
+    It keeps a running SHA-256 over the layer digests of group 0's objects 0, 1, ... as far as
+    the cache holds them without a gap (objects cached by other requests included). Only when
+    a newly cached object extends that run and the run hashes to the track name is
+    :func:`complete_replica` asked, which checks the whole track again: the watch only decides
+    when to ask. The run restarts when the cache entry was replaced (evicted, tombstoned) or
+    objects expired out of it (:attr:`CacheTrack.dropped`).
+    """
+
+    def __init__(self, block: BlockTrack) -> None:
+        self.block = block
+        self._track: CacheTrack | None = None
+        self._dropped = 0
+        self._count = 0
+        self._hash = hashlib.sha256()
+
+    def stored(self, track: CacheTrack) -> KVReplica | None:
+        """An object of ``track`` was just cached: the replica, when the track is now complete."""
+        if track is not self._track or track.dropped != self._dropped:
+            self._track, self._dropped = track, track.dropped
+            self._count, self._hash = 0, hashlib.sha256()
+        objects, count, extended = track.objects, self._count, False
+        while (obj := objects.get(Location(KV_GROUP, count))) is not None:
+            if obj.digest is None:
+                break
+            self._hash.update(obj.digest)
+            count += 1
+            extended = True
+        self._count = count
+        if not extended or self._hash.copy().digest() != self.block.digest:
+            return None
+        return complete_replica(self.block, track)
 
 
 def replica_record(

@@ -17,12 +17,20 @@ from moqt.messages import AuthToken, TokenAliasType
 from moqt.messages_params import FilterType, SubscriptionFilter
 from moqt.objects import ObjectStart
 from moqt.wire import KeyValuePair, Location
-from relay import access
-from relay.cache import CachedObject, Malformed, ObjectCache, PutResult
-from relay.ingest import ObjectIngest
+from relay import access, kv
+from relay import ingest as ingest_module
+from relay.cache import (
+    KEEP_VIEW_MIN,
+    CachedObject,
+    CacheTrack,
+    Malformed,
+    ObjectCache,
+    PutResult,
+)
+from relay.ingest import Ended, ObjectIngest
 from relay.kv import block_track, complete_replica
 from relay.routing import DeliveryFilter, NamespaceRoutes, NamespaceSubscribers
-from tests.support.relay_kit import SCOPE_A, SCOPE_B, make_block, max_cache
+from tests.support.relay_kit import SCOPE_A, SCOPE_B, Block, make_block, max_cache
 
 NS = (b"plain", b"ns")
 
@@ -256,6 +264,112 @@ def test_ingest_completes_a_replica_when_the_layer_digests_hash_to_the_name() ->
     entry = cache.track(block.track)
     assert entry is not None and entry.group_ends == {0: 3}
     assert complete_replica(replica.block, entry) == replica
+
+
+def _count_completions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count calls of relay.kv.complete_replica (the whole-track check), still doing them."""
+    calls: list[int] = []
+    real = kv.complete_replica
+
+    def counting(block: kv.BlockTrack, entry: CacheTrack) -> kv.KVReplica | None:
+        calls.append(len(entry.objects))
+        return real(block, entry)
+
+    monkeypatch.setattr(kv, "complete_replica", counting)
+    monkeypatch.setattr(ingest_module, "complete_replica", counting, raising=False)
+    return calls
+
+
+def _ingest_object(ingest: ObjectIngest, stream: int, index: int, block: Block) -> Ended:
+    payload, extensions = block.objects()[index]
+    assert ingest.begin(stream, _start(index, payload, extensions), 0) is None
+    assert ingest.data(stream, memoryview(payload), 0) is None
+    return ingest.end(stream, 0)
+
+
+def test_the_replica_is_checked_once_per_block_not_once_per_object(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _count_completions(monkeypatch)
+    block = make_block(64, layers=16)
+    cache = ObjectCache(1 << 20)
+    ingest = ObjectIngest(cache, block.track)
+    ended = [_ingest_object(ingest, 7, index, block) for index in range(16)]
+    assert [e.replica is not None for e in ended] == [False] * 15 + [True]
+    assert calls == [16]  # once, when the last layer landed
+
+
+def test_a_replica_completed_out_of_order_by_two_requests_is_found_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _count_completions(monkeypatch)
+    block = make_block(65, layers=6)
+    cache = ObjectCache(1 << 20)
+    first, second = ObjectIngest(cache, block.track), ObjectIngest(cache, block.track)
+    assert _ingest_object(first, 1, 3, block).replica is None  # a gap before it
+    assert _ingest_object(second, 2, 0, block).replica is None
+    assert _ingest_object(first, 1, 4, block).replica is None
+    assert _ingest_object(first, 1, 5, block).replica is None
+    assert _ingest_object(second, 2, 2, block).replica is None
+    replica = _ingest_object(second, 2, 1, block).replica  # fills the gap: 0..5 cached
+    assert replica is not None and replica.layer_digests == block.digests
+    assert calls == [6]
+
+
+def test_a_layer_that_expired_is_waited_for_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_completions(monkeypatch)
+    block = make_block(66, layers=3)
+    cache = ObjectCache(1 << 20)
+    cache.open_track(block.track, max_cache(1000))
+    ingest = ObjectIngest(cache, block.track)
+
+    def arrives(index: int, now_ms: int) -> kv.KVReplica | None:
+        payload, extensions = block.objects()[index]
+        assert ingest.begin(1, _start(index, payload, extensions), now_ms) is None
+        assert ingest.data(1, memoryview(payload), now_ms) is None
+        return ingest.end(1, now_ms).replica
+
+    assert arrives(1, 0) is None
+    assert arrives(0, 600) is None
+    assert arrives(2, 1200) is None  # layer 1 expired (1000 ms after it arrived) meanwhile
+    assert calls == []
+    replica = arrives(1, 1300)
+    assert replica is not None and replica.expires_ms == 600 + 1000
+    assert calls == [3]
+
+
+def test_received_payload_is_cached_without_a_copy() -> None:
+    size = 3 * KEEP_VIEW_MIN
+    block = make_block(67, layers=3, size=size)
+    cache = ObjectCache(1 << 20)
+    ingest = ObjectIngest(cache, block.track)
+    received = [memoryview(bytes(layer)).toreadonly() for layer in block.layers]
+    writable = bytearray(block.layers[1])
+    cut = size - 100
+    for index, (payload, extensions) in enumerate(block.objects()):
+        ingest.begin(1, _start(index, payload, extensions), 0)
+        if index == 0:
+            ingest.data(1, received[0], 0)  # one read-only piece: kept as it is
+        elif index == 1:  # a long read-only piece, then a writable one
+            ingest.data(1, received[1][:cut], 0)
+            ingest.data(1, memoryview(writable)[cut:], 0)
+        else:  # a long read-only piece, then a short one
+            ingest.data(1, received[2][:cut], 0)
+            ingest.data(1, received[2][cut:], 0)
+        assert ingest.end(1, 0).malformed is None
+    entry = cache.track(block.track)
+    assert entry is not None
+    first, second, third = (entry.objects[Location(0, n)] for n in range(3))
+    assert first.payload is received[0]
+    for obj, source in ((second, received[1]), (third, received[2])):
+        assert isinstance(obj.payload, tuple) and len(obj.payload) == 2
+        kept, copied = obj.payload
+        assert isinstance(kept, memoryview) and kept.obj is source.obj  # a view, no copy
+        assert isinstance(copied, bytes)  # writable, or too short to pin a buffer
+    writable[cut:] = b"\0" * (size - cut)  # the sender reuses its buffer
+    assert second.payload_bytes() == block.layers[1] and second.size == size
+    assert first.conflict(replace(first, payload=bytes(block.layers[0]))) is None
+    assert second.conflict(replace(second, payload=block.layers[1][:-1] + b"?")) is not None
 
 
 def test_ingest_catches_a_differing_copy_before_forwarding_it() -> None:

@@ -22,6 +22,9 @@ from moqt.session_events import (
     SubscribeReceived,
 )
 from moqt.wire import Location
+from relay import ingest as ingest_module
+from relay import kv
+from relay.cache import CacheTrack
 from tests.support.polling import until
 from tests.support.relay_kit import (
     BACKENDS,
@@ -88,6 +91,44 @@ def test_three_subscribers_share_one_upstream_subscription(backend: str, certs: 
                 received = await asyncio.gather(*(_collect(sub.track) for sub in subscriptions))
                 assert pub.subscribes == 1
         assert received == [list(block.layers)] * 3
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_forwarded_fetch_completes_its_replica_once(
+    backend: str, certs: Certs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each fetched block is cached whole and its replica found complete by one check,
+    however many layers it has (the relay then publishes its record)."""
+    blocks = [make_block(70 + n, layers=24, size=4096) for n in range(2)]
+    checked: list[int] = []
+    real = kv.complete_replica
+
+    def counting(block: kv.BlockTrack, entry: CacheTrack) -> kv.KVReplica | None:
+        checked.append(len(entry.objects))
+        return real(block, entry)
+
+    monkeypatch.setattr(kv, "complete_replica", counting)
+    monkeypatch.setattr(ingest_module, "complete_replica", counting, raising=False)
+    tracks = {block.track: Track(block.objects()) for block in blocks}
+
+    async def scenario() -> None:
+        prefix = blocks[0].namespace[:4]
+        async with (
+            running_relay(relay_config(certs, backend=backend)) as relay,
+            publishing(relay.url, certs, tracks, [prefix], backend=backend),
+            client(relay.url, certs, backend=backend) as sub,
+        ):
+            for block in blocks:
+                objects = await fetch_all(sub, block.track, len(block.layers))
+                assert [bytes(o.payload) for o in objects] == list(block.layers)
+                # complete (and its record due) before the FIN reached the client
+                replica = relay.holder.replica(block.track)
+                assert replica is not None and replica.layer_digests == block.digests
+                entry = relay.cache.track(block.track)
+                assert entry is not None and len(entry.objects) == len(block.layers)
+        assert checked == [24, 24]
 
     run(scenario())
 

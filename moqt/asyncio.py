@@ -10,14 +10,14 @@ Sending respects the transport: ``open_subgroup`` waits for stream credit (qh3 r
 peer's stream limit, and the failed send has already used the ID, so it is never retried), and
 payloads are handed to QUIC while the stream's send buffer is below a high-water mark. Data
 writes ask for one transmit at the end of the loop iteration, so the objects a publisher writes
-in a row leave in full packets rather than one short packet per object.
+in a row leave in full packets rather than one short packet per object; ``send_objects``
+queues a run of whole objects (:class:`StreamObject`) per session call and transmit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import socket
 from collections import OrderedDict
@@ -38,6 +38,7 @@ from .messages import (
     TokenAliasType,
 )
 from .session import MOQTSession, SessionConfig
+from .session_data import StreamObject
 from .session_events import (
     DatagramReceived,
     DataStreamFinished,
@@ -79,6 +80,7 @@ from .transport import (
     TrackReader,
     open_datagram_endpoint,
     protocol_class,
+    quic_client,
     quic_server_class,
     tune_socket,
 )
@@ -98,6 +100,7 @@ __all__ = [
     "ReceivedObject",
     "RequestRejected",
     "SessionClosedError",
+    "StreamObject",
     "Subscription",
     "TrackReader",
     "connect",
@@ -608,9 +611,9 @@ async def connect(
     quic_backend = get_backend(backend_of(configuration) if backend is None else backend)
     config = client_session_config(session_config, f"{host}:{port}", path, auth_token)
     setup = ProtocolSetup(True, config, transport or TransportConfig(), MOQTConnection)
-    library = importlib.import_module(f"{quic_backend.name}.asyncio.client")
     cls = protocol_class(quic_backend)
-    async with library.connect(
+    async with quic_client(
+        quic_backend,
         host,
         port,
         configuration=configuration,

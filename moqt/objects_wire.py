@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 from .errors import (
     MalformedTrack,
@@ -22,6 +22,7 @@ from .errors import (
 )
 from .messages_params import ExtensionType
 from .wire import (
+    KVP_VALUE_MAX_LENGTH,
     VARINT_MAX,
     Bytes,
     KeyValuePair,
@@ -29,6 +30,7 @@ from .wire import (
     Writer,
     decode_kvp_block,
     encode_kvps,
+    encode_varint,
 )
 
 FETCH_HEADER_TYPE = 0x05  # §10.4.4
@@ -162,9 +164,31 @@ def encode_immutable_extensions(inner: Sequence[KeyValuePair]) -> KeyValuePair:
     return ExtensionType.IMMUTABLE_EXTENSIONS, encode_kvps(inner)
 
 
+def encode_extensions(extensions: Sequence[KeyValuePair]) -> bytes:
+    """``Extensions {Extension Headers Length (i), Extension Headers (..)}`` (§10.2.1.2).
+
+    One extension (an object's IMMUTABLE_EXTENSIONS, the common case) is encoded without the
+    general Key-Value-Pair writer's sort; the bytes are the same.
+
+    Raises:
+        ValueError: see :func:`~moqt.wire.encode_kvps`.
+    """
+    if len(extensions) == 1:
+        ext_type, value = extensions[0]
+        if ext_type & 1 and isinstance(value, bytes):
+            size = len(value)
+            if ext_type < 64 and size < 62:  # every length a one-byte varint
+                return bytes((size + 2, ext_type, size)) + value
+            if size <= KVP_VALUE_MAX_LENGTH:
+                body = encode_varint(ext_type) + encode_varint(size) + value
+                return encode_varint(len(body)) + body
+    body = encode_kvps(extensions)
+    return encode_varint(len(body)) + body
+
+
 def push_extensions(writer: Writer, extensions: Sequence[KeyValuePair]) -> None:
     """Append ``Extensions {Extension Headers Length (i), Extension Headers (..)}`` (§10.2.1.2)."""
-    writer.push_length_prefixed(encode_kvps(extensions))
+    writer.push_bytes(encode_extensions(extensions))
 
 
 MAX_EXTENSIONS_LENGTH = 1 << 20
@@ -324,6 +348,14 @@ class SubgroupWriter:
         """The SUBGROUP_HEADER that opens the stream."""
         return self.header.encode()
 
+    def mark(self) -> object:
+        """The writer's state, for :meth:`rewind` (headers encoded but never sent)."""
+        return self._previous
+
+    def rewind(self, mark: object) -> None:
+        """Return to the state :meth:`mark` returned."""
+        self._previous = cast("int | None", mark)
+
     def object_header(
         self,
         object_id: int,
@@ -378,12 +410,7 @@ class FetchHeader:
         return writer.data
 
 
-@dataclass(frozen=True, slots=True)
-class _FetchPrior:
-    group_id: int
-    object_id: int
-    subgroup_id: int | None
-    publisher_priority: int | None
+_FetchPrior: TypeAlias = tuple[int, int, int | None, int]  # group, object, subgroup, priority
 
 
 class FetchStreamWriter:
@@ -403,6 +430,14 @@ class FetchStreamWriter:
         """The FETCH_HEADER that opens the stream."""
         return FetchHeader(request_id=self.request_id).encode()
 
+    def mark(self) -> object:
+        """The writer's state, for :meth:`rewind` (headers encoded but never sent)."""
+        return self._prior
+
+    def rewind(self, mark: object) -> None:
+        """Return to the state :meth:`mark` returned."""
+        self._prior = cast("_FetchPrior | None", mark)
+
     def object_header(
         self,
         *,
@@ -419,35 +454,40 @@ class FetchStreamWriter:
             ValueError: a field out of range.
         """
         prior = self._prior
-        flags, fields = self._flags(prior, group_id, object_id, subgroup_id, publisher_priority)
-        if extensions:
-            flags |= FETCH_EXTENSIONS
-        writer = Writer()
-        writer.push_varint(flags)
-        for value in fields[:3]:
-            if value is not None:
-                writer.push_varint(value)
-        if fields[3] is not None:
-            writer.push_uint8(fields[3])
-        if extensions:
-            push_extensions(writer, extensions)
-        writer.push_varint(payload_length)
-        self._prior = _FetchPrior(group_id, object_id, subgroup_id, publisher_priority)
-        return writer.data
+        if (
+            prior is not None
+            and subgroup_id == 0
+            and prior[0] == group_id
+            and prior[1] + 1 == object_id
+            and prior[3] == publisher_priority
+        ):  # the next object of the same group and priority: flags and fields implied
+            head = b"\x20" + encode_extensions(extensions) if extensions else b"\x00"
+        else:
+            flags, fields = self._full_fields(
+                prior, group_id, object_id, subgroup_id, publisher_priority
+            )
+            if extensions:
+                flags |= FETCH_EXTENSIONS
+                fields += encode_extensions(extensions)
+            head = encode_varint(flags) + fields
+        self._prior = (group_id, object_id, subgroup_id, publisher_priority)
+        return head + encode_varint(payload_length)
 
     @staticmethod
-    def _flags(
+    def _full_fields(
         prior: _FetchPrior | None,
         group_id: int,
         object_id: int,
         subgroup_id: int | None,
         priority: int,
-    ) -> tuple[int, tuple[int | None, int | None, int | None, int | None]]:
-        same_group = prior is not None and prior.group_id == group_id
+    ) -> tuple[int, bytes]:
+        """Serialization Flags (without EXTENSIONS) and the fields they say are present."""
+        same_group = prior is not None and prior[0] == group_id
         flags = 0 if same_group else FETCH_GROUP_ID
-        group_field = None if same_group else group_id
-        subgroup_field = None
-        prior_subgroup = None if prior is None else prior.subgroup_id
+        writer = Writer()
+        if not same_group:
+            writer.push_varint(group_id)
+        prior_subgroup = None if prior is None else prior[2]
         if subgroup_id is None:
             flags |= FETCH_DATAGRAM
         elif subgroup_id == 0:
@@ -458,16 +498,14 @@ class FetchStreamWriter:
             flags |= FETCH_SUBGROUP_NEXT
         else:
             flags |= FETCH_SUBGROUP_PRESENT
-            subgroup_field = subgroup_id
-        object_field = None
-        if not (same_group and prior is not None and object_id == prior.object_id + 1):
+            writer.push_varint(subgroup_id)
+        if not (same_group and prior is not None and object_id == prior[1] + 1):
             flags |= FETCH_OBJECT_ID
-            object_field = object_id
-        priority_field = None
-        if prior is None or prior.publisher_priority != priority:
+            writer.push_varint(object_id)
+        if prior is None or prior[3] != priority:
             flags |= FETCH_PRIORITY
-            priority_field = priority
-        return flags, (group_field, subgroup_field, object_field, priority_field)
+            writer.push_uint8(priority)
+        return flags, writer.data
 
     def end_of_range(self, group_id: int, object_id: int, *, unknown: bool = False) -> bytes:
         """An End of Non-Existent (or, with ``unknown``, Unknown) Range marker (§10.4.4.2)."""

@@ -29,6 +29,7 @@ Why this shape:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -301,6 +302,40 @@ class QMuxConnection:
             stream.push(view)
         stream.fin_requested = end_stream
         if len(data) or end_stream:
+            self._sendable[stream_id] = None
+
+    def send_stream_buffers(
+        self, stream_id: int, buffers: Sequence[Bytes], end_stream: bool = False
+    ) -> None:
+        """Queue several buffers on a stream in one call, as :meth:`send_stream_data` would
+        queue each (read-only buffers by reference, writable ones copied; ignored once the
+        connection or the stream's sending side was reset or closed).
+
+        Raises:
+            ValueError: a stream we cannot send on, or data after FIN.
+        """
+        if self._closed:
+            return
+        stream = self._send_stream(stream_id)
+        if stream is None or stream.reset_sent:
+            return
+        if stream.fin_requested:
+            raise ValueError(f"stream {stream_id}: data after FIN")
+        queue = stream.send_queue
+        queued = 0
+        for data in buffers:
+            if type(data) is not bytes:
+                if type(data) is not memoryview or data.ndim != 1 or data.format != "B":
+                    data = as_byte_view(data)
+                if not data.readonly:
+                    data = bytes(data)  # the caller may reuse a writable buffer
+            size = len(data)
+            if size:
+                queue.append(data)
+                queued += size
+        stream.send_queued += queued
+        stream.fin_requested = end_stream
+        if queued or end_stream:
             self._sendable[stream_id] = None
 
     def get_next_available_stream_id(self, is_unidirectional: bool = False) -> int:

@@ -11,13 +11,17 @@ of returned, its payload pieces as plain calls (no event object per chunk).
 Sending: ``open_subgroup`` / ``open_fetch_stream`` write the stream header; ``begin_object``
 writes an object's fields and ``write_payload`` its payload, in as many pieces as the caller
 likes, so a header is never concatenated with a large payload into a new buffer.
+``send_objects`` queues a run of whole objects (:class:`StreamObject`) in one call: every
+header encoded in one pass, then headers and payloads handed to the transport together (one
+call on a carrier that takes a list of buffers, QMux), so a publisher's Python work per object
+is a header, not a chain of calls per buffer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from .backend import QuicConnectionLike, SessionBackend
 from .errors import MalformedTrack, ObjectStatus, ProtocolViolation, StreamResetCode
@@ -66,6 +70,23 @@ from .wire import Bytes, KeyValuePair, as_byte_view
 
 DEFAULT_PRIORITY = 128  # §7.1: publisher priority when nothing else is said
 HELD_BYTES_MAX = 8 << 20  # streams held for an unbound alias; past this they are stopped
+
+
+class StreamObject(NamedTuple):
+    """One whole object of a run written with :meth:`DataPlane.send_objects`.
+
+    ``payload`` is one buffer or several (K and V) sent one after another, never joined.
+    ``group_id``, ``subgroup_id`` (None: a Datagram object) and ``publisher_priority`` are
+    fields of a fetched object (§10.4.4); a subgroup stream's header fixes them and takes only
+    ``object_id``, ``payload`` and ``extensions``.
+    """
+
+    object_id: int
+    payload: Bytes | Sequence[Bytes]
+    extensions: Sequence[KeyValuePair] = ()
+    group_id: int = 0
+    subgroup_id: int | None = 0
+    publisher_priority: int = DEFAULT_PRIORITY
 
 
 @dataclass(slots=True)
@@ -555,6 +576,70 @@ class DataPlane:
         if end_stream:
             self._close_out(stream_id, stream)
 
+    def begin_stream_object(self, stream_id: int, obj: StreamObject, payload_length: int) -> None:
+        """Write the fields of ``obj`` (its payload not included) on a subgroup or fetch
+        stream: :meth:`begin_object` or :meth:`begin_fetch_object`, by the stream's type.
+
+        Raises:
+            see :meth:`begin_object` and :meth:`begin_fetch_object`.
+        """
+        stream = self._writable(stream_id)
+        if isinstance(stream.writer, FetchStreamWriter):
+            self.begin_fetch_object(
+                stream_id,
+                group_id=obj.group_id,
+                object_id=obj.object_id,
+                payload_length=payload_length,
+                subgroup_id=obj.subgroup_id,
+                publisher_priority=obj.publisher_priority,
+                extensions=obj.extensions,
+            )
+        else:
+            self.begin_object(stream_id, obj.object_id, payload_length, extensions=obj.extensions)
+
+    def send_objects(
+        self, stream_id: int, objects: Sequence[StreamObject], *, end_stream: bool = False
+    ) -> int:
+        """A run of whole objects on one stream, queued at once; returns their payload bytes.
+
+        Every object's fields are encoded first, then the headers and payload buffers go to the
+        transport in order: a carrier that takes a list of buffers
+        (``send_stream_buffers``, QMux) gets them in one call, QUIC one call per buffer. The
+        payloads are passed on without copying. ``end_stream`` sends the FIN after the last
+        object (with no objects, at once). Nothing is sent when an object is refused.
+
+        Raises:
+            StreamClosedError: the stream is closed.
+            LocalProtocolError: inside an object (a payload begun with :meth:`begin_object`
+                is incomplete).
+            ValueError: Object IDs not ascending on a subgroup stream, extensions the stream
+                type cannot carry, or a field out of range.
+        """
+        stream = self._writable(stream_id)
+        if stream.payload_left:
+            raise LocalProtocolError(f"stream {stream_id}: an object's payload is incomplete")
+        writer = stream.writer
+        mark = writer.mark()
+        try:
+            buffers, total = _encode_run(writer, objects)
+        except BaseException:
+            writer.rewind(mark)
+            raise
+        quic = self._quic
+        send_buffers = getattr(quic, "send_stream_buffers", None)
+        if send_buffers is not None:
+            send_buffers(stream_id, buffers, end_stream)
+        else:
+            last = len(buffers) - 1
+            for index, buffer in enumerate(buffers):
+                quic.send_stream_data(stream_id, buffer, end_stream and index == last)
+            if end_stream and not buffers:
+                quic.send_stream_data(stream_id, b"", True)
+        self.payload_octets_sent += total
+        if end_stream:
+            self._close_out(stream_id, stream)
+        return total
+
     def send_object(
         self,
         stream_id: int,
@@ -698,3 +783,41 @@ class DataPlane:
             payload=payload,
         )
         self._quic.send_datagram_frame(datagram.encode())
+
+
+def _encode_run(
+    writer: SubgroupWriter | FetchStreamWriter, objects: Sequence[StreamObject]
+) -> tuple[list[Bytes], int]:
+    """Every object's fields followed by its payload buffers (flat byte views, empty ones
+    left out), and the payload bytes in all."""
+    fetch = type(writer) is FetchStreamWriter
+    buffers: list[Bytes] = []
+    append = buffers.append
+    total = 0
+    for obj in objects:
+        payload = obj.payload
+        parts = (payload,) if isinstance(payload, bytes | bytearray | memoryview) else payload
+        size = 0
+        for part in parts:
+            size += part.nbytes if type(part) is memoryview else len(part)
+        if fetch:
+            header = cast(FetchStreamWriter, writer).object_header(
+                group_id=obj.group_id,
+                object_id=obj.object_id,
+                subgroup_id=obj.subgroup_id,
+                publisher_priority=obj.publisher_priority,
+                payload_length=size,
+                extensions=obj.extensions,
+            )
+        else:
+            header = cast(SubgroupWriter, writer).object_header(
+                obj.object_id, size, extensions=obj.extensions
+            )
+        append(header)
+        for part in parts:
+            if type(part) is memoryview and (part.ndim != 1 or part.format != "B"):
+                part = as_byte_view(part)
+            if len(part):
+                append(part)
+        total += size
+    return buffers, total

@@ -17,7 +17,10 @@ The glue is the QUIC library's own ``QuicConnectionProtocol`` (aioquic or qh3) s
 a session, and for qh3 a ``QuicServer`` that validates the client's address with Retry when its
 Initial datagram is padded outside the packet (see :mod:`moqt.backend`), listening on qh3's
 batched GRO/GSO datagram transport (one ``sendmsg`` for many datagrams, as qh3's own client
-does). Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of ``TransportConfig.socket_buffer``.
+does). Datagrams are read in batches and each connection transmits once per batch: aioquic's
+client and server on :mod:`moqt.udp_endpoint`'s endpoint, qh3's server taking its transport's
+batches (``datagrams_received``) the same way. Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of
+``TransportConfig.socket_buffer``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import contextlib
 import importlib
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
@@ -35,6 +38,7 @@ from .backend import Backend, TransportConfig, initial_padded_outside_packets
 from .errors import ObjectStatus
 from .messages import STREAM_COUNT_UNKNOWN
 from .session import MOQTSession, SessionConfig
+from .session_data import StreamObject
 from .session_events import (
     DatagramReceived,
     DataStreamFinished,
@@ -48,6 +52,7 @@ from .session_events import (
     RequestErrorReceived,
     SessionClosed,
 )
+from .udp_endpoint import TransmitBatch, aioquic_client, open_batched_endpoint
 from .wire import Bytes, KeyValuePair, as_byte_view
 
 T = TypeVar("T")
@@ -373,7 +378,12 @@ _PROTOCOLS: dict[str, type] = {}
 def protocol_class(backend: Backend) -> type:
     """A ``QuicConnectionProtocol`` subclass of the backend's library that runs a session;
     instances take ``(quic, stream_handler, *, setup: ProtocolSetup)`` and expose the wrapped
-    session as ``.moqt``."""
+    session as ``.moqt``.
+
+    A datagram that arrives while its endpoint's :class:`~moqt.udp_endpoint.TransmitBatch` is
+    open is fed to QUIC and its events handled at once; the transmit waits for the batch's end
+    (one per batch). The batch is the transport's (``transmit_batch``), or one a server sets as
+    ``_moqt_batch``."""
     cached = _PROTOCOLS.get(backend.name)
     if cached is not None:
         return cached
@@ -387,10 +397,23 @@ def protocol_class(backend: Backend) -> type:
         )
         self.moqt = setup.make_connection(self, session)
         self._moqt_setup = setup
+        self._moqt_batch = None
 
     def connection_made(self: Any, transport: Any) -> None:
         base.connection_made(self, transport)
+        batch = getattr(transport, "transmit_batch", None)
+        if batch is not None:
+            self._moqt_batch = batch
         tune_socket(transport_socket(transport), self._moqt_setup.transport.socket_buffer)
+
+    def datagram_received(self: Any, data: bytes, addr: Any) -> None:
+        batch = self._moqt_batch
+        if batch is None or not batch.open:
+            base.datagram_received(self, data, addr)
+            return
+        self._quic.receive_datagram(data, addr, now=self._loop.time())
+        self._process_events()
+        batch.defer(self)
 
     def quic_event_received(self: Any, event: Any) -> None:
         events = self.moqt.session.handle_event(event)
@@ -406,6 +429,7 @@ def protocol_class(backend: Backend) -> type:
     namespace = {
         "__init__": __init__,
         "connection_made": connection_made,
+        "datagram_received": datagram_received,
         "quic_event_received": quic_event_received,
         "transmit": transmit,
     }
@@ -417,9 +441,13 @@ def protocol_class(backend: Backend) -> type:
 async def open_datagram_endpoint(
     backend: Backend, protocol_factory: Callable[[], Any], sock: socket.socket
 ) -> tuple[Any, Any]:
-    """A datagram endpoint on the bound ``sock``: qh3's batched GRO/GSO transport (the one its
-    own client uses; one ``sendmsg`` for many datagrams) where available, else asyncio's."""
+    """A datagram endpoint on the bound ``sock``: for aioquic :mod:`moqt.udp_endpoint`'s
+    (a batch of datagrams per wake-up, one transmit per batch per connection); for qh3 its
+    batched GRO/GSO transport (the one its own client uses; one ``sendmsg`` for many
+    datagrams) where available, else asyncio's."""
     loop = asyncio.get_running_loop()
+    if backend.name == "aioquic":
+        return await open_batched_endpoint(protocol_factory, sock)
     if backend.name == "qh3":
         with contextlib.suppress(ImportError, AttributeError):
             module: Any = importlib.import_module("qh3.asyncio._transport")
@@ -428,10 +456,35 @@ async def open_datagram_endpoint(
     return await loop.create_datagram_endpoint(protocol_factory, sock=sock)
 
 
+def quic_client(
+    backend: Backend,
+    host: str,
+    port: int,
+    *,
+    configuration: Any,
+    create_protocol: Callable[..., Any],
+) -> contextlib.AbstractAsyncContextManager[Any]:
+    """The backend's QUIC client, yielding the connected protocol: aioquic's steps on
+    :mod:`moqt.udp_endpoint`'s batched endpoint, or qh3's own ``connect`` (its GRO transport
+    hands its protocol a batch at once)."""
+    if backend.name == "aioquic":
+        return aioquic_client(
+            host, port, configuration=configuration, create_protocol=create_protocol
+        )
+    library: Any = importlib.import_module(f"{backend.name}.asyncio.client")
+    return cast(
+        contextlib.AbstractAsyncContextManager[Any],
+        library.connect(host, port, configuration=configuration, create_protocol=create_protocol),
+    )
+
+
 def quic_server_class(backend: Backend) -> type:
     """The backend's ``QuicServer``; for qh3 one that sends Retry to a client whose Initial
     datagram is padded outside its packets (aioquic's), so qh3's anti-amplification accounting
-    cannot stall the handshake (:mod:`moqt.backend`)."""
+    cannot stall the handshake (:mod:`moqt.backend`), and that takes its transport's batches
+    (``datagrams_received``: each datagram dispatched by connection ID, each connection
+    transmitting once per batch). aioquic's listens on :mod:`moqt.udp_endpoint`'s endpoint,
+    whose batch its connections defer to."""
     base: Any = importlib.import_module(f"{backend.name}.asyncio.server").QuicServer
     if backend.name != "qh3":
         return cast(type, base)
@@ -446,6 +499,24 @@ def _qh3_retry_server(base: Any) -> type:
     def __init__(self: Any, **kwargs: Any) -> None:
         base.__init__(self, retry=True, **kwargs)
         self._moqt_retry = self._retry
+        batch = self._moqt_batch = TransmitBatch()
+        create = self._create_protocol
+
+        def create_protocol(*args: Any, **options: Any) -> Any:
+            protocol = create(*args, **options)
+            protocol._moqt_batch = batch
+            return protocol
+
+        self._create_protocol = create_protocol
+
+    def datagrams_received(self: Any, datagrams: list[bytes], addr: Any) -> None:
+        batch = self._moqt_batch
+        batch.begin()
+        try:
+            for data in datagrams:
+                self.datagram_received(data, addr)
+        finally:
+            batch.end()
 
     def datagram_received(self: Any, data: bytes, addr: Any) -> None:
         # qh3 consults ``_retry`` only for an Initial that opens a connection; a qh3 client
@@ -453,7 +524,11 @@ def _qh3_retry_server(base: Any) -> type:
         self._retry = self._moqt_retry if initial_padded_outside_packets(data) else None
         base.datagram_received(self, data, addr)
 
-    namespace = {"__init__": __init__, "datagram_received": datagram_received}
+    namespace = {
+        "__init__": __init__,
+        "datagram_received": datagram_received,
+        "datagrams_received": datagrams_received,
+    }
     cls = type("MOQTQuicServer_qh3", (base,), namespace)
     _PROTOCOLS["qh3-server"] = cls
     return cls
@@ -468,9 +543,22 @@ YIELD_WRITES = 64  # ... or this many writes
 SEND_AT_ONCE_SIZE = 16 << 10  # a payload this large, written to an idle stream, goes out at once
 IDLE_STREAM_BYTES = 1200  # an idle stream holds less than one minimal QUIC datagram
 STREAM_WRITE_BATCH = 256 << 10  # byte-stream carriers: transmit once a stream holds this much
+RUN_OBJECT_MAX = 1 << 20  # send_objects: a larger object is written alone, in pieces
 
 Payload: TypeAlias = Bytes | Sequence[Bytes]
 """An object payload: one buffer, or several (K and V) written one after another, unjoined."""
+
+
+def _payload_size(payload: Payload) -> int:
+    """Bytes in ``payload`` (one buffer or several)."""
+    if isinstance(payload, bytes | bytearray):
+        return len(payload)
+    if isinstance(payload, memoryview):
+        return payload.nbytes
+    size = 0
+    for part in payload:
+        size += part.nbytes if type(part) is memoryview else len(part)
+    return size
 
 
 def _byte_parts(payload: Payload) -> list[Bytes]:
@@ -580,6 +668,77 @@ class ObjectSender:
             payload_length=size,
             extensions=extensions,
         )
+        await self._write_parts(stream_id, parts, size, end_stream)
+
+    async def send_objects(
+        self,
+        stream_id: int,
+        objects: Iterable[StreamObject],
+        *,
+        end_stream: bool = False,
+    ) -> None:
+        """Whole objects on one stream (subgroup or fetch), in order, in runs: each run is
+        queued with one :meth:`MOQTSession.send_objects` call (headers encoded in one pass,
+        payloads unjoined), so the Python work per object is its header.
+
+        A run takes objects while the stream's bytes stay under a limit (at least one object):
+        :data:`SEND_HIGH_WATER`, or :data:`STREAM_WRITE_BATCH` for the first run of a burst
+        (on an idle stream for QUIC; see :attr:`first_piece_at_once`), which is transmitted at
+        once so the reader starts while the rest is queued. Later runs leave with the deferred
+        transmit, or at once when the stream is over the high-water mark, where the sender
+        waits. So the stream never holds more than :data:`SEND_HIGH_WATER` plus one object,
+        and an object above :data:`RUN_OBJECT_MAX` is written alone, in pieces as the stream
+        drains. ``end_stream`` sends the FIN with the last object (with none, at once).
+
+        Raises:
+            StreamClosedError: the stream closed (e.g. the peer's STOP_SENDING) meanwhile.
+            LocalProtocolError, ValueError: see :meth:`MOQTSession.send_objects`.
+        """
+        session = self.session
+        items = list(objects)
+        count = len(items)
+        if not count:
+            session.send_objects(stream_id, (), end_stream=end_stream)
+            self._transmit_soon()
+            return
+        sizes = [_payload_size(obj.payload) for obj in items]
+        if self.first_piece_at_once:
+            first = session.send_buffered(stream_id) < IDLE_STREAM_BYTES
+        else:
+            first = not self._burst_sent
+        index = 0
+        while index < count:
+            buffered = session.send_buffered(stream_id)
+            while buffered > SEND_HIGH_WATER:
+                self.transmit()
+                await self._progress()
+                buffered = session.send_buffered(stream_id)
+            size = sizes[index]
+            if size > RUN_OBJECT_MAX:
+                await self._send_alone(stream_id, items[index], end_stream and index == count - 1)
+                index, first = index + 1, False
+                continue
+            room = (STREAM_WRITE_BATCH if first else SEND_HIGH_WATER) - buffered - size
+            end = index + 1
+            while end < count and sizes[end] <= room and sizes[end] <= RUN_OBJECT_MAX:
+                room -= sizes[end]
+                size += sizes[end]
+                end += 1
+            run_end = end_stream and end == count
+            session.send_objects(stream_id, items[index:end], end_stream=run_end)
+            index = end
+            if first and size >= SEND_AT_ONCE_SIZE:
+                self._burst_sent = True
+                self.transmit()
+            first = False
+            await self._maybe_yield(size)
+        self._transmit_soon()
+
+    async def _send_alone(self, stream_id: int, obj: StreamObject, end_stream: bool) -> None:
+        """One large object of a run: its fields, then its payload as the stream drains."""
+        parts = _byte_parts(obj.payload)
+        size = sum(len(part) for part in parts)
+        self.session.begin_stream_object(stream_id, obj, size)
         await self._write_parts(stream_id, parts, size, end_stream)
 
     async def write_payload(

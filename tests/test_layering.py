@@ -65,7 +65,14 @@ TOOLS = frozenset({"top", "interop"})
 
 IO_PACKAGES = {"asyncio", "starlette", "httpx", "uvicorn", "aiohttp", "anyio", "socket"}
 IO_MODULES = {"aioquic.asyncio"}
-MOQT_SHELLS = {"moqt.asyncio", "moqt.transport", "moqt.qmux_asyncio", "moqt.client", "moqt.server"}
+MOQT_SHELLS = {
+    "moqt.asyncio",
+    "moqt.transport",
+    "moqt.udp_endpoint",
+    "moqt.qmux_asyncio",
+    "moqt.client",
+    "moqt.server",
+}
 """The moqt modules that do I/O; the rest of moqt is sans-I/O like the kvsp core."""
 SERVICE_LEVEL = {"kvsp.services.control", "kvsp.services.frontend", "kvsp.services.descriptors"}
 """Modules beside the parts: ``control`` and ``frontend`` compose parts; ``descriptors`` is the

@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvsp.container import Buffer, Container, Geometry, Layer, decode_container, replica_digest
@@ -40,7 +40,7 @@ from kvsp.moqt_mapping import (
     stored_track_name,
 )
 from kvsp.registries import Codec
-from moqt.asyncio import MOQTConnection, MOQTServer, SessionClosedError, serve
+from moqt.asyncio import MOQTConnection, MOQTServer, SessionClosedError, StreamObject, serve
 from moqt.backend import TransportConfig
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import MessageParameters, StandaloneFetch
@@ -68,7 +68,9 @@ REFUSED_REQUESTS = (
     TrackStatusReceived,
 )
 """Requests a KV block endpoint does not serve: answered REQUEST_ERROR NOT_SUPPORTED."""
+_Extensions = tuple[KeyValuePair, ...]
 _LayerList = list[tuple[memoryview, memoryview, bytes]]  # K, V and layer digest per layer
+_Objects = list[tuple[int, tuple[memoryview, memoryview], _Extensions]]  # index, (K, V), extensions
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -83,6 +85,9 @@ class StoredBlock:
     layer_digests: tuple[bytes, ...]
     digest: bytes
     ttl_ms: int | None = None
+    _extensions: tuple[_Extensions, ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def of(
@@ -128,6 +133,19 @@ class StoredBlock:
     def track_name(self) -> bytes:
         """The stored track's name: the replica digest as hex32."""
         return stored_track_name(self.digest)
+
+    def digest_extensions(self) -> tuple[_Extensions, ...]:
+        """Each held layer's object extensions (IMMUTABLE_EXTENSIONS with its layer digest),
+        by position in the container; encoded once per stored block, then reused."""
+        cached = self._extensions
+        if cached is None:
+            first = self.container.first_layer
+            cached = tuple(
+                (layer_digest_extension(self.layer_digests[first + i]),)
+                for i in range(self.container.layer_count)
+            )
+            object.__setattr__(self, "_extensions", cached)
+        return cached
 
     def held(self, first: int, last: int) -> tuple[Layer, ...] | None:
         """Layers ``first..last`` when all are held here, else None."""
@@ -395,8 +413,8 @@ class MoqtBlockPublisher:
     def _refuse(self, request_id: int, code: int, reason: str) -> None:
         self._answer(lambda: self.connection.session.request_error(request_id, code, reason))
 
-    def _extensions(self, digest: bytes) -> list[KeyValuePair]:
-        return [layer_digest_extension(digest)] if self.in_band_digests else []
+    def _extensions(self, digest: bytes) -> _Extensions:
+        return (layer_digest_extension(digest),) if self.in_band_digests else ()
 
     def _track_extensions(self, ttl_ms: int | None) -> tuple[KeyValuePair, ...]:
         if ttl_ms is None:
@@ -443,32 +461,31 @@ class MoqtBlockPublisher:
             track_extensions=self._track_extensions(ttl),
         )
         stream_id = await self.connection.open_fetch_stream(rid)
-        for index, (k, v, digest) in enumerate(layers, start=first):
-            session.begin_fetch_object(
-                stream_id,
-                group_id=KV_GROUP,
-                object_id=index,
-                payload_length=len(k) + len(v),
-                extensions=self._extensions(digest),
-            )
-            await self._write(stream_id, k, v, end_stream=index == last)
+        # one run of objects: headers encoded together, K and V never joined
+        objects = [StreamObject(i, kv, ext, KV_GROUP) for i, kv, ext in layers]
+        await self.connection.send_objects(stream_id, objects, end_stream=True)
 
-    def _layers_of(
-        self, found: StoredBlock | LiveTrack, first: int, last: int
-    ) -> _LayerList | None:
+    def _layers_of(self, found: StoredBlock | LiveTrack, first: int, last: int) -> _Objects | None:
+        """Layers ``first..last`` as (layer index, (K, V), object extensions), or None when
+        not all are held."""
         if isinstance(found, LiveTrack):
-            return found.layers[first : last + 1] if last < len(found.layers) else None
+            if last >= len(found.layers):
+                return None
+            return self._live_objects(found.layers[first : last + 1], first)
         held = found.held(first, last)
         if held is None:
             return None
-        return [(layer.k, layer.v, found.layer_digests[layer.index]) for layer in held]
+        if not self.in_band_digests:
+            return [(layer.index, (layer.k, layer.v), ()) for layer in held]
+        extensions = found.digest_extensions()
+        base = found.container.first_layer
+        return [(layer.index, (layer.k, layer.v), extensions[layer.index - base]) for layer in held]
 
-    async def _write(
-        self, stream_id: int, k: memoryview, v: memoryview, *, end_stream: bool
-    ) -> None:
-        # K and V go out as two pieces of one object: never joined into a new buffer.
-        await self.connection.write_payload(stream_id, k)
-        await self.connection.write_payload(stream_id, v, end_stream=end_stream)
+    def _live_objects(self, layers: _LayerList, first: int) -> _Objects:
+        return [
+            (index, (k, v), self._extensions(digest))
+            for index, (k, v, digest) in enumerate(layers, start=first)
+        ]
 
     async def _serve_subscribe(self, event: SubscribeReceived) -> None:
         message, rid = event.message, event.request_id
@@ -496,11 +513,8 @@ class MoqtBlockPublisher:
         layers = self._layers_of(block, first, last) or []
         session = self.connection.session
         stream_id = await self.connection.open_subgroup(rid, KV_GROUP, end_of_group=True)
-        for index, (k, v, digest) in enumerate(layers, start=first):
-            session.begin_object(
-                stream_id, index, len(k) + len(v), extensions=self._extensions(digest)
-            )
-            await self._write(stream_id, k, v, end_stream=index == last)
+        objects = [StreamObject(i, kv, ext) for i, kv, ext in layers]
+        await self.connection.send_objects(stream_id, objects, end_stream=True)
         session.publish_done(rid, PublishDoneCode.TRACK_ENDED)
         self.connection.transmit()
 
@@ -542,12 +556,10 @@ class MoqtBlockPublisher:
         sent = 0
         while True:
             while sent < len(track.layers):
-                k, v, digest = track.layers[sent]
-                session.begin_object(
-                    stream_id, sent, len(k) + len(v), extensions=self._extensions(digest)
-                )
-                await self._write(stream_id, k, v, end_stream=False)
-                sent += 1
+                ready = self._live_objects(track.layers[sent:], sent)
+                objects = [StreamObject(i, kv, ext) for i, kv, ext in ready]
+                await self.connection.send_objects(stream_id, objects)
+                sent += len(objects)
             if track.done:
                 break
             await track.wait_beyond(sent)

@@ -1,34 +1,38 @@
-"""MOQT goodput on loopback: 2 MiB blocks (32 objects × 64 KiB) by FETCH, beside raw QUIC.
+"""KVSP blocks on every transport, side by side in one run: MB/s of 2 MiB and 64 KiB blocks
+verified end to end as a client uses them, and the ratios issue #20 sets targets for.
 
-Run: ``.venv/bin/python bench/bench_moqt.py [--seconds S] [--backends aioquic,qh3]
-[--paths-only | --no-paths]``.
+Run: ``.venv/bin/python bench/bench_moqt.py [--quick] [--seconds S] [--json FILE]
+[--install-peers] [--paired]``.
 
-For every backend × max_datagram_size the server runs in its own process (so each side has a
-core) with both a MOQT server and a raw QUIC server; the client holds one connection to each and
-fetches whole blocks, alternating: one over MOQT (standalone FETCH {0,0}..{0,32}: FETCH_OK plus
-one fetch stream, payload pieces and object ends counted by sinks in the QUIC event handler
-as they arrive, :meth:`~moqt.transport.TrackReader.set_payload_sink` with ``object_end``, then
-:meth:`~moqt.transport.TrackReader.finished`), one over raw QUIC (one bidi stream per block,
-the server writing 2 MiB, bytes counted in the protocol's event handler), so both see the same
-load on a shared machine. Both use the same QUIC settings: the given datagram
-size, 64 MiB / 32 MiB flow-control windows and 4 MiB socket buffers, and both connections go
-through :meth:`~moqt.backend.Backend.quiet` (qh3 without its logger-less packet logging).
-Goodput counts payload bytes only. Object headers are read by the native ``moqt._objscan``
-where it was built (the header line says which). The table gives MOQT/raw, each MOQT figure
-against aioquic at its default 1200-byte datagrams, and the CPU each side spent per block
-(client and server process, MOQT | raw).
-For aioquic a first row, ``defaults``, sets nothing (1200-byte datagrams, aioquic's 1 MiB
-windows, the system's socket buffers): what an application that takes aioquic as it comes
-moves, the baseline of the "vs aioquic dflt" column.
+Every row fetches whole blocks one after another on loopback, each verified as §6.7 asks
+(every layer digest against the Replica Record, or the peer's own check), and counts the K and
+V octets delivered (MB/s = 1e6 octets a second):
 
-A second table puts the same 2 MiB block on every path side by side: a plain TCP stream
-(blocking sockets, the transport ceiling); HTTP GET from ``kvsp serve holder`` with
-:class:`~kvsp.transfer.block_client.BlockClient` (the chosen bulk client, verifying
-Repr-Digest and layer digests as §6.7 asks); MOQT FETCH with
-:class:`~kvsp.transfer.moqt_client.MoqtBlockClient` (verifying every layer) straight from a
-publisher; and, when ``relay.app`` exists, publisher → relay → subscriber: FETCH forwarded
-upstream (a cache miss per block), FETCH served from the relay's cache, and a live track fanned
-out by the relay to 8 subscribers.
+* plain TCP stream (blocking sockets): the transport ceiling, no verification;
+* HTTP GET from ``kvsp serve holder`` with :class:`~kvsp.transfer.block_client.BlockClient`
+  (layer digests and Repr-Digest);
+* MOQT FETCH with :class:`~kvsp.transfer.moqt_client.MoqtBlockClient` from one publisher
+  process (:class:`~kvsp.transfer.moqt_publisher.MoqtBlockPublisher` behind every listener):
+  over QUIC with aioquic as it comes (1,200-byte datagrams, its windows, the system's socket
+  buffers), aioquic at 1,452-byte datagrams, and the measured default backend
+  (:func:`moqt.backend.default_backend`) at its default :class:`~moqt.backend.TransportConfig`
+  (1,452 bytes) and at 9,000 bytes; over QMux (draft-ietf-quic-qmux-01, MOQT over QMux as
+  draft-nandakumar-moq-qmux-moqt-00) on TLS 1.3, plain TCP and a Unix socket, the record listing
+  the one carrier in ``moqt_carriers`` so that the client picks it as it would in service;
+* through ``relay.app`` on the fastest carrier measured above: FETCH forwarded upstream to the
+  publisher's session (a cache miss per block), FETCH from the relay's cache, and a live track
+  fanned out to 8 subscribers (MB/s per subscriber);
+* the directive path (§6.5): 64 blocks of 64 KiB prefetched end to end by an instance from the
+  relay over MOQT (and from the source over HTTP on a full run), with the per-block pipeline
+  and without it ("before"), from ``bench/bench_directive.py``;
+* two peers where they run: Redis GET + SHA-256 (``redis-server`` started on an ephemeral
+  port) and Mooncake Store ``get_into`` + SHA-256 over its TCP transport
+  (``mooncake-transfer-engine`` in its own virtual environment, installed on a full run or
+  with ``--install-peers``; ``bench/peer_mooncake.py``). A row that cannot run says why.
+
+The table puts the targets of issue #20 beside the ratios; the last five lines are the ratios
+alone, in a fixed form. ``--paired`` adds the older MOQT-against-raw-QUIC table (per backend and
+datagram size, the same server process, blocks alternating).
 """
 
 from __future__ import annotations
@@ -41,23 +45,32 @@ import importlib
 import json
 import multiprocessing
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvsp.compat import CompatibilityDescriptor, compat_id  # noqa: E402
 from kvsp.container import Geometry, encode_container, layer_digest, replica_digest  # noqa: E402
 from kvsp.ids import BlockKey, CompatId, ScopeId  # noqa: E402
 from kvsp.moqt_mapping import kv_namespace, layer_digest_extension  # noqa: E402
 from kvsp.records import ReplicaRecord  # noqa: E402
 from moqt.asyncio import MOQTConnection, connect, serve, tune_socket  # noqa: E402
-from moqt.backend import TransportConfig, available_backends, get_backend  # noqa: E402
+from moqt.backend import (  # noqa: E402
+    TransportConfig,
+    available_backends,
+    default_backend,
+    get_backend,
+)
 from moqt.certs import make_self_signed  # noqa: E402
 from moqt.messages import StandaloneFetch  # noqa: E402
 from moqt.objects import NATIVE_HEADERS  # noqa: E402
@@ -81,9 +94,16 @@ flow-control windows (aioquic: 1 MiB), the system's socket buffers."""
 
 
 def transport_for(datagram: int) -> TransportConfig:
+    """The paired table's QUIC settings: the library's own, or a fixed datagram size (no
+    path-MTU probing) with 64 MiB / 32 MiB windows."""
     if datagram == LIBRARY_DEFAULTS:
-        return TransportConfig(socket_buffer=0)  # nothing set: the library's defaults
-    return TransportConfig(max_datagram_size=datagram, max_data=64 << 20, max_stream_data=32 << 20)
+        return AIOQUIC_DEFAULTS  # nothing set: the library's defaults
+    return TransportConfig(
+        max_datagram_size=datagram,
+        probe_path_mtu=False,
+        max_data=64 << 20,
+        max_stream_data=32 << 20,
+    )
 
 
 def datagram_label(datagram: int) -> str:
@@ -206,83 +226,6 @@ def server_main(backend: str, datagram: int, cert: str, key: str, pipe: Connecti
 # --- client --------------------------------------------------------------------------------------
 
 
-async def run_moqt(backend: str, datagram: int, port: int, cert: str, seconds: float) -> float:
-    quic = get_backend(backend)
-    transport = transport_for(datagram)
-    configuration = quic.configuration(
-        is_client=True, transport=transport, cafile=cert, server_name="localhost"
-    )
-    async with connect(
-        "127.0.0.1", port, configuration=configuration, backend=backend, transport=transport
-    ) as connection:
-
-        async def block(check: bool = False) -> int:
-            received = [0]
-
-            def count(header: Any, data: memoryview, offset: int) -> None:
-                received[0] += len(data)
-
-            # the bulk path (sinks in the QUIC event handler, as the raw client counts there)
-            sink = None if check else count
-            response = await connection.fetch(
-                NS,
-                TRACK,
-                Location(0, 0),
-                Location(0, 32),
-                payload_sink=sink,
-                object_end=None if check else (lambda header: None),
-            )
-            if check:
-                payload = b"".join([bytes(o.payload) async for o in response.track.objects()])
-                if payload != BLOCK:
-                    raise AssertionError("MOQT block differs")
-                return len(payload)
-            await response.track.finished()  # payload and object ends went to the sinks
-            return received[0]
-
-        await block(check=True)
-        return await timed(block, seconds)
-
-
-async def run_raw(backend: str, datagram: int, port: int, cert: str, seconds: float) -> float:
-    quic = get_backend(backend)
-    configuration = quic.configuration(
-        is_client=True, transport=transport_for(datagram), cafile=cert, server_name="localhost"
-    )
-    client_module: Any = importlib.import_module(f"{backend}.asyncio.client")
-    cls = raw_protocol(backend, server=False, buffer=transport_for(datagram).socket_buffer)
-    async with client_module.connect(
-        "127.0.0.1", port, configuration=configuration, create_protocol=cls
-    ) as protocol:
-
-        async def block() -> int:
-            return int(await protocol.fetch(len(BLOCK)))
-
-        await block()
-        return await timed(block, seconds)
-
-
-async def timed(block: Any, seconds: float) -> float:
-    """MB/s over whole blocks fetched one after another for about ``seconds``."""
-    total, count, start = 0, 0, time.perf_counter()
-    while count < 4 or (time.perf_counter() - start < seconds and count < 200):
-        received = await block()
-        if received != len(BLOCK):
-            raise AssertionError(f"got {received} bytes, expected {len(BLOCK)}")
-        total += received
-        count += 1
-    return total / (time.perf_counter() - start) / 1e6
-
-
-def measure(
-    backend: str, datagram: int, cert: str, key: str, seconds: float
-) -> tuple[float, float]:
-    """MOQT and raw QUIC goodput (MB/s), measured side by side (:func:`measure_paired`)."""
-    paired = measure_paired(backend, datagram, cert, key, seconds)
-    return paired.moqt.goodput(), paired.raw.goodput()
-
-
-@dataclass
 class Tally:
     """Blocks fetched one way: wall seconds and CPU seconds of each process."""
 
@@ -421,31 +364,6 @@ async def alternate(moqt_block: Any, raw_block: Any, seconds: float, server_pid:
     return paired
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
-    parser.add_argument("--backends", default=",".join(available_backends()))
-    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--paths-only", action="store_true", help="only the paths table")
-    parser.add_argument("--no-paths", action="store_true", help="only the MOQT/raw table")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
-    args = parser.parse_args()
-    backends = args.backends.split(",")
-    sizes = [int(size) for size in args.sizes.split(",")]
-    folder = tempfile.mkdtemp(prefix="bench-moqt-")
-    cert, key = (str(path) for path in make_self_signed("localhost", folder))
-    doc: dict[str, list[dict[str, Any]]] = {"moqt": [], "paths": []}  # --json, bench/report.py
-    if not args.paths_only:
-        rows = moqt_table(backends, sizes, cert, key, args.seconds)
-        keys = ("backend", "datagram", "moqt_mb_s", "raw_mb_s")
-        doc["moqt"] = [dict(zip(keys, row[:4], strict=True)) for row in rows]
-    if not args.no_paths:
-        paths = paths_table(backends, cert, key, args.seconds)
-        doc["paths"] = [{"path": p, "mb_s": rate, "note": note} for p, rate, note in paths]
-    if args.json is not None:
-        args.json.write_text(json.dumps(doc), encoding="utf-8")
-
-
 def moqt_table(
     backends: list[str], sizes: list[int], cert: str, key: str, seconds: float
 ) -> list[tuple[str, int, float, float, Paired]]:
@@ -495,76 +413,209 @@ def moqt_table(
 GEOMETRY = Geometry(layers=32, kv_heads=8, head_dim=128, element_size=2)
 TOKENS = 16  # 16 tokens x 8 heads x 128 x fp16 = 32 KiB per K or V: the 64 KiB objects above
 COMPAT = CompatId(b"\xbe" * 32)
+
+
+# --- blocks of two sizes -----------------------------------------------------------------------
+
 SCOPE = ScopeId(b"\x5b" * 16)
-KV_LAYERS = [(layer[: len(layer) // 2], layer[len(layer) // 2 :]) for layer in LAYERS]
-CONTAINER = encode_container(KV_LAYERS, first_layer=0, token_count=TOKENS, geometry=GEOMETRY)
-KV_DIGESTS = [layer_digest(k, v) for k, v in KV_LAYERS]
+TOKENS = 16  # tokens a block (B)
 FANOUT = 8
+TOKEN = "bench-token-0123456789abcdefghijklmnop"
+LIVE_PRODUCER = "http://bench-instance.example/kvsp/"
 
 
-def block_key(n: int) -> BlockKey:
-    return BlockKey(hashlib.sha256(b"bench-key-%d" % n).digest())
+@dataclass(frozen=True)
+class Shape:
+    """One block size: its geometry, descriptor, layers and container."""
+
+    name: str
+    geometry: Geometry
+    descriptor: CompatibilityDescriptor
+    layers: list[tuple[bytes, bytes]]
+    container: bytes
+    relay_blocks: int
+    """Distinct blocks the relay's publisher holds (each forwarded FETCH misses the cache)."""
+
+    @property
+    def compat(self) -> CompatId:
+        return CompatId(compat_id(self.descriptor))
+
+    @property
+    def payload(self) -> int:
+        """K and V octets of the block: what every row counts."""
+        return sum(len(k) + len(v) for k, v in self.layers)
+
+    @property
+    def min_blocks(self) -> int:
+        return 4 if self.payload >= 1 << 20 else 32
+
+    def digests(self) -> list[bytes]:
+        return [layer_digest(k, v) for k, v in self.layers]
 
 
-def block_record(holder: str, key: BlockKey) -> ReplicaRecord:
+def make_shape(name: str, layers: int, kv_heads: int, head_dim: int, relay_blocks: int) -> Shape:
+    geometry = Geometry(layers=layers, kv_heads=kv_heads, head_dim=head_dim, element_size=2)
+    descriptor = CompatibilityDescriptor(
+        model=f"bench-{name.replace(' ', '')}",
+        model_digest=b"\x01" * 32,
+        tokenizer_digest=b"\x02" * 32,
+        layers=layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        kv_dtype="fp16",
+        positional="rope",
+        block_tokens=TOKENS,
+    )
+    half = TOKENS * kv_heads * head_dim * 2
+    seed = [hashlib.sha256(b"%s layer %d" % (name.encode(), i)).digest() for i in range(layers)]
+    kv = [(s * (half // 32), s[::-1] * (half // 32)) for s in seed]
+    container = encode_container(kv, first_layer=0, token_count=TOKENS, geometry=geometry)
+    return Shape(name, geometry, descriptor, kv, container, relay_blocks)
+
+
+SHAPES = (make_shape("2 MiB", 32, 8, 128, 48), make_shape("64 KiB", 16, 1, 64, 256))
+
+
+def block_key(shape: Shape, n: int) -> BlockKey:
+    return BlockKey(hashlib.sha256(b"bench-key-%s-%d" % (shape.name.encode(), n)).digest())
+
+
+def block_record(
+    shape: Shape, holder: str, key: BlockKey, carriers: tuple[str, ...] | None = None
+) -> ReplicaRecord:
+    namespace = kv_namespace(shape.compat, SCOPE, key)
     return ReplicaRecord(
         block_key=key,
-        compat_id=COMPAT,
+        compat_id=shape.compat,
         scope_id=SCOPE,
         holder=holder,
         codec=1,
-        size=len(CONTAINER),
-        digest=replica_digest(KV_DIGESTS),
-        layer_digests=tuple(KV_DIGESTS),
+        size=len(shape.container),
+        digest=replica_digest(shape.digests()),
+        layer_digests=tuple(shape.digests()),
         residency=None,
         ttl_ms=600_000,
-        moqt_namespace=b"".join(bytes([len(f)]) + f for f in kv_namespace(COMPAT, SCOPE, key)),
+        moqt_namespace=b"".join(bytes([len(f)]) + f for f in namespace)
+        if holder.startswith("moqt")
+        else None,
+        moqt_carriers=carriers,
     )
 
 
-def tcp_server_main(pipe: Connection) -> None:
-    """Answer each 8-octet size on a connection with that many octets of the block."""
-    import threading
+def stored_blocks(shapes: tuple[Shape, ...], count: int | None) -> Any:
+    """A MemoryBlocks with block 0 of every shape (``count`` None) or its relay blocks."""
+    from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    pipe.send(listener.getsockname()[1])
-    view = memoryview(CONTAINER)
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            while header := conn.recv(8):
-                left = int.from_bytes(header, "big")
-                while left > 0:
-                    left -= conn.send(view[: min(left, len(view))])
-
-    def accept() -> None:
-        while True:
-            conn, _ = listener.accept()
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    pipe.recv()
+    blocks = MemoryBlocks()
+    for shape in shapes:
+        for n in range(shape.relay_blocks if count is None else count):
+            key = block_key(shape, n)
+            blocks.add(
+                StoredBlock.of(shape.compat, SCOPE, key, shape.container, geometry=shape.geometry)
+            )
+    return blocks
 
 
-def run_tcp(port: int, seconds: float) -> float:
-    buffer = memoryview(bytearray(len(CONTAINER)))
-    with socket.create_connection(("127.0.0.1", port)) as conn:
+# --- rows, timing and processes ------------------------------------------------------------------
 
-        async def block() -> int:
-            conn.sendall(len(CONTAINER).to_bytes(8, "big"))
-            got = 0
-            while got < len(CONTAINER):
-                got += conn.recv_into(buffer[got:])
-            return got - (len(CONTAINER) - len(BLOCK))  # count the layers' octets, as above
 
-        return asyncio.run(timed(block, seconds))
+@dataclass
+class Row:
+    """One path: MB/s per block size (absent: not measured), and why not where it failed."""
+
+    key: str
+    label: str
+    rates: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    per_second: dict[str, float] = field(default_factory=dict)
+    """Blocks a second, for rows measured that way (the directive path)."""
+
+
+class Table:
+    """The rows in the order they were first named."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Row] = {}
+
+    def row(self, key: str, label: str) -> Row:
+        return self.rows.setdefault(key, Row(key, label))
+
+    def rate(self, key: str, shape: str = "2 MiB") -> float | None:
+        row = self.rows.get(key)
+        return None if row is None else row.rates.get(shape)
+
+    def record(self, key: str, label: str, shape: Shape, run: Callable[[], float]) -> None:
+        """Run one measurement; a failure is a result (the row's note)."""
+        row = self.row(key, label)
+        try:
+            row.rates[shape.name] = run()
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
+            row.notes.append(failure(shape.name, exc))
+
+    async def arecord(
+        self, key: str, label: str, shape: Shape, run: Callable[[], Awaitable[float]]
+    ) -> None:
+        row = self.row(key, label)
+        CPU_NOTE.clear()
+        try:
+            row.rates[shape.name] = await run()
+        except Exception as exc:  # noqa: BLE001
+            row.notes.append(failure(shape.name, exc))
+        if CPU_NOTE and shape is SHAPES[0]:
+            row.notes.append(f"{shape.name} cpu ms/block {CPU_NOTE[0]}")
+
+
+def failure(where: str, exc: BaseException) -> str:
+    """One line: where, the exception's type, its message's last line (a traceback's)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+    text = lines[0] if len(lines) == 1 else f"{lines[0][:60]} ... {lines[-1]}"
+    return f"{where} failed: {type(exc).__name__}: {text}"[:200]
+
+
+CPU_NOTE: list[str] = []
+"""What the last :func:`timed` with ``servers`` measured: CPU ms a block, client | servers."""
+
+
+async def timed(
+    block: Callable[[], Awaitable[int]],
+    shape: Shape,
+    seconds: float,
+    limit: int = 1 << 30,
+    servers: tuple[int, ...] = (),
+) -> float:
+    """MB/s of whole blocks fetched one after another for about ``seconds`` (at least
+    ``shape.min_blocks``, at most ``limit``); each must deliver the block's K and V octets.
+    With ``servers`` (process ids), :data:`CPU_NOTE` gets the CPU each process spent a block."""
+    CPU_NOTE.clear()
+    cpu = [time.process_time(), *(process_cpu(pid) for pid in servers)]
+    total, count, start = 0, 0, time.perf_counter()
+    while count < limit and (count < shape.min_blocks or time.perf_counter() - start < seconds):
+        received = await block()
+        if received != shape.payload:
+            raise AssertionError(f"got {received} octets, expected {shape.payload}")
+        total += received
+        count += 1
+    rate = total / (time.perf_counter() - start) / 1e6
+    if servers:
+        spent = [time.process_time(), *(process_cpu(pid) for pid in servers)]
+        ms = [f"{1000 * (b - a) / count:.1f}" for a, b in zip(cpu, spent, strict=True)]
+        CPU_NOTE.append(f"{ms[0]} | {' | '.join(ms[1:])}")
+    return rate
+
+
+def kv_octets(block: Any) -> int:
+    return sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
 
 
 def in_process(target: Any, *args: Any) -> tuple[Any, Connection, Any]:
+    """Start ``target(*args, pipe)`` in a spawned process; its first message back."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=target, args=(*args, child))
+    process = context.Process(target=target, args=(*args, child), daemon=True)
     process.start()
+    if not parent.poll(60):
+        process.kill()
+        raise TimeoutError(f"{target.__name__} did not start")
     return process, parent, parent.recv()
 
 
@@ -576,311 +627,836 @@ def stop(process: Any, pipe: Connection) -> None:
         process.kill()
 
 
-def measure_tcp(seconds: float) -> float:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- plain TCP, the ceiling ----------------------------------------------------------------------
+
+
+def tcp_server_main(pipe: Connection) -> None:
+    """Answer each 8-octet size on a connection with that many octets."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    pipe.send(listener.getsockname()[1])
+    view = memoryview(SHAPES[0].container)
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            while header := conn.recv(8):
+                left = int.from_bytes(header, "big")
+                while left > 0:
+                    left -= conn.send(view[: min(left, len(view))])
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve_one, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    pipe.recv()
+
+
+def measure_tcp(table: Table, seconds: float) -> None:
     process, pipe, port = in_process(tcp_server_main)
     try:
-        return run_tcp(port, seconds)
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            for shape in SHAPES:
+                size = len(shape.container)
+                buffer = memoryview(bytearray(size))
+
+                async def block(
+                    size: int = size, buffer: memoryview = buffer, payload: int = shape.payload
+                ) -> int:
+                    conn.sendall(size.to_bytes(8, "big"))
+                    got = 0
+                    while got < size:
+                        got += conn.recv_into(buffer[got:])
+                    return got - (size - payload)  # the K and V octets, as elsewhere
+
+                table.record(
+                    "tcp",
+                    "plain TCP stream (blocking sockets, unverified)",
+                    shape,
+                    lambda b=block, s=shape: asyncio.run(timed(b, s, seconds)),
+                )
     finally:
         stop(process, pipe)
 
 
-def measure_http(seconds: float) -> float:
-    """kvsp serve holder, one block PUT, then verified GETs with BlockClient."""
+# --- HTTP: kvsp serve holder + BlockClient -------------------------------------------------------
+
+
+def start_holder(folder: Path) -> Any:
+    """``kvsp serve holder`` with both descriptors and block 0 of each shape stored."""
     import httpx
 
-    from kvsp.compat import CompatibilityDescriptor, compat_id
-    from kvsp.transfer.block_client import BlockClient
     from kvsp.web.auth import principal_entry, write_principals
     from kvsp.web.testing import start_process
 
-    descriptor = CompatibilityDescriptor(
-        model="bench",
-        model_digest=b"\x01" * 32,
-        tokenizer_digest=b"\x02" * 32,
-        layers=GEOMETRY.layers,
-        kv_heads=GEOMETRY.kv_heads,
-        head_dim=GEOMETRY.head_dim,
-        kv_dtype="fp16",
-        positional="rope",
-        block_tokens=TOKENS,
-    )
-    compat = CompatId(compat_id(descriptor))
-    token = "bench-token-0123456789abcdefghijklmnop"
-    folder = Path(tempfile.mkdtemp(prefix="bench-holder-"))
     principals = folder / "principals.toml"
-    write_principals(principals, [principal_entry("bench", token, ["admin"], None)])
+    write_principals(principals, [principal_entry("bench", TOKEN, ["admin"], None)])
     argv = [sys.executable, "-m", "kvsp", "serve", "holder", "--listen", "127.0.0.1:0"]
     argv += ["--principals", str(principals), "--state", str(folder / "state")]
-    argv += ["--tier", f"host={4 * len(CONTAINER)}"]
-    auth = {"authorization": f"Bearer {token}"}
-    key = block_key(0)
-    with start_process(argv, workdir=folder) as holder, httpx.Client(timeout=30) as http:
-        base = holder.base_url
-        http.put(f"{base}descriptors/{compat.hex()}", json=descriptor.to_json(), headers=auth)
-        url = f"{base}blocks/{compat.hex()}/{SCOPE.hex()}/{key.hex()}"
-        headers = auth | {"if-none-match": "*", "content-type": "application/kvsp-block"}
-        http.put(url, content=CONTAINER, headers=headers).raise_for_status()
-        record = replace(block_record(base, key), compat_id=compat, moqt_namespace=None)
-
-        async def run() -> float:
-            async with BlockClient(token) as client:
-
-                async def block() -> int:
-                    got = await client.get_block(base, record, geometry=GEOMETRY)
-                    return sum(layer.k.nbytes + layer.v.nbytes for layer in got.layers)
-
-                return await timed(block, seconds)
-
-        return asyncio.run(run())
+    argv += ["--tier", f"host={4 * sum(len(s.container) for s in SHAPES)}"]
+    holder = start_process(argv, workdir=folder)
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    try:
+        with httpx.Client(timeout=30) as http:
+            for shape in SHAPES:
+                compat = shape.compat.hex()
+                url = f"{holder.base_url}descriptors/{compat}"
+                http.put(url, json=shape.descriptor.to_json(), headers=auth).raise_for_status()
+                url = f"{holder.base_url}blocks/{compat}/{SCOPE.hex()}/{block_key(shape, 0).hex()}"
+                headers = auth | {"if-none-match": "*", "content-type": "application/kvsp-block"}
+                http.put(url, content=shape.container, headers=headers).raise_for_status()
+    except BaseException:
+        holder.stop()
+        raise
+    return holder
 
 
-def publisher_main(backend: str, cert: str, key: str, pipe: Connection) -> None:
-    """A MOQT server publishing the block (serve_blocks) for direct FETCH."""
-    from kvsp.transfer.moqt_publisher import MemoryBlocks, StoredBlock, serve_blocks
+async def measure_http(table: Table, base: str, seconds: float, pid: int) -> None:
+    from kvsp.transfer.block_client import BlockClient
+
+    async with BlockClient(TOKEN) as client:
+        for shape in SHAPES:
+            record = block_record(shape, base, block_key(shape, 0))
+
+            async def block(record: ReplicaRecord = record, shape: Shape = shape) -> int:
+                got = await client.get_block(base, record, geometry=shape.geometry)
+                return kv_octets(got)
+
+            async def run(block: Any = block, shape: Shape = shape) -> float:
+                await block()  # the connection, outside the clock
+                return await timed(block, shape, seconds, servers=(pid,))
+
+            await table.arecord("http", "HTTP GET, kvsp serve holder + BlockClient", shape, run)
+
+
+# --- MOQT: one publisher process behind every QUIC and QMux listener ------------------------------
+
+AIOQUIC_DEFAULTS = TransportConfig(max_datagram_size=None, probe_path_mtu=False, socket_buffer=0)
+"""aioquic as it comes: 1,200-byte datagrams, its 1 MiB windows, the system's socket buffers."""
+
+
+def quic_rows() -> list[tuple[str, str, str, TransportConfig]]:
+    """(key, label, backend, transport) of the MOQT-over-QUIC rows."""
+    best = default_backend()
+    rows = [
+        ("quic-aioquic-defaults", "aioquic defaults (1200 B)", "aioquic", AIOQUIC_DEFAULTS),
+        (
+            "quic-aioquic-1452",
+            "aioquic, 1452 B",
+            "aioquic",
+            TransportConfig(max_datagram_size=1452),
+        ),
+        ("quic-default-1452", f"{best} (the default), 1452 B", best, TransportConfig()),
+        ("quic-default-9000", f"{best}, 9000 B", best, TransportConfig(max_datagram_size=9000)),
+    ]
+    return [(k, f"MOQT over QUIC, {label}", b, t) for k, label, b, t in rows]
+
+
+QMUX_ROWS = (
+    ("qmux-tls", "tls", "MOQT over QMux, TLS 1.3 over TCP"),
+    ("qmux-tcp", "tcp", "MOQT over QMux, plain TCP (loopback)"),
+    ("qmux-uds", "unix", "MOQT over QMux, Unix socket"),
+)
+CARRIER_NAMES = {
+    "quic-default-1452": "QUIC",
+    "qmux-tls": "QMux TLS",
+    "qmux-tcp": "QMux TCP",
+    "qmux-uds": "QMux UDS",
+}
+SCHEMES = {"moqt": "quic-default-1452", "moqt+tls": "qmux-tls", "moqt+tcp": "qmux-tcp"}
+SCHEMES["moqt+unix"] = "qmux-uds"
+
+
+def block_handler(blocks: Any) -> Callable[[MOQTConnection], Awaitable[None]]:
+    """The publisher every listener runs: serve_blocks' handler (FETCH and SUBSCRIBE)."""
+    from kvsp.transfer.moqt_publisher import LiveTracks, MoqtBlockPublisher
+
+    live = LiveTracks()
+
+    async def handler(connection: MOQTConnection) -> None:
+        await MoqtBlockPublisher(connection, blocks, live=live).serve()
+
+    return handler
+
+
+def publisher_main(cert: str, key: str, folder: str, pipe: Connection) -> None:
+    """Listen on every QUIC row's settings and on the three QMux carriers; send back
+    ``{row key: URI or "failed: ..."}``; serve until told to stop."""
 
     async def main() -> None:
-        blocks = MemoryBlocks()
-        blocks.add(StoredBlock.of(COMPAT, SCOPE, block_key(0), CONTAINER, geometry=GEOMETRY))
-        quic = get_backend(backend)
-        transport = transport_for(LARGEST[backend])
-        configuration = quic.configuration(
-            is_client=False, transport=transport, certificate=cert, private_key=key
-        )
-        server = await serve_blocks(
-            "127.0.0.1",
-            0,
-            configuration=configuration,
-            blocks=blocks,
-            backend=backend,
-            transport=transport,
-        )
-        pipe.send(server.address[1])
+        handler = block_handler(stored_blocks(SHAPES, 1))
+        servers: list[Any] = []
+        uris: dict[str, str] = {}
+        for row, _, backend, transport in quic_rows():
+            try:
+                configuration = get_backend(backend).configuration(
+                    is_client=False, transport=transport, certificate=cert, private_key=key
+                )
+                server = await serve(
+                    "127.0.0.1",
+                    0,
+                    configuration=configuration,
+                    handler=handler,
+                    backend=backend,
+                    transport=transport,
+                )
+                servers.append(server)
+                uris[row] = f"moqt://127.0.0.1:{server.address[1]}/"
+            except Exception as exc:  # noqa: BLE001 - reported in the row
+                uris[row] = failure("listen", exc)
+        for row, carrier, _ in QMUX_ROWS:
+            try:
+                server, uri = await serve_carrier(carrier, handler, cert, key, Path(folder))
+                servers.append(server)
+                uris[row] = uri
+            except Exception as exc:  # noqa: BLE001
+                uris[row] = failure("listen", exc)
+        pipe.send(uris)
         await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
-        server.close()
+        for server in servers:
+            server.close()
 
     asyncio.run(main())
 
 
-def moqt_client(backend: str, **options: Any) -> Any:
+async def serve_carrier(
+    carrier: str, handler: Any, cert: str, key: str, folder: Path
+) -> tuple[Any, str]:
+    """A QMux listener on ``carrier`` (tls, tcp, unix) and its ``moqt+*`` URI."""
+    from moqt.qmux_asyncio import QMuxEndpoint, serve_qmux, server_ssl_context
+
+    if carrier == "unix":
+        path = folder / "publisher.sock"
+        endpoint = QMuxEndpoint(carrier="unix", host=None, port=None, path=str(path))
+        server = await serve_qmux(endpoint, handler=handler)
+        return server, f"moqt+unix://localhost{path.resolve()}"
+    endpoint = QMuxEndpoint(carrier=carrier, host="127.0.0.1", port=0, path=None)
+    context = server_ssl_context(cert, key) if carrier == "tls" else None
+    server = await serve_qmux(endpoint, handler=handler, ssl_context=context)
+    return server, f"moqt+{carrier}://127.0.0.1:{server.address[1]}/"
+
+
+def carrier_used(client: Any) -> str:
+    """The carriers of the client's open sessions (to show a record's carrier was taken)."""
+    return ",".join(sorted({address.carrier for address in getattr(client, "_sessions", {})}))
+
+
+async def fetch_rows(
+    client: Any,
+    table: Table,
+    key: str,
+    label: str,
+    holder: str,
+    carriers: tuple[str, ...] | None,
+    seconds: float,
+    *,
+    expect: str,
+    servers: tuple[int, ...],
+) -> None:
+    """Verified FETCHes of block 0 of every shape with ``client``, one row."""
+    for shape in SHAPES:
+        record = block_record(shape, holder, block_key(shape, 0), carriers)
+
+        async def block(record: ReplicaRecord = record, shape: Shape = shape) -> int:
+            got = await client.get_block(record, geometry=shape.geometry, block_tokens=TOKENS)
+            return kv_octets(got)
+
+        async def run(block: Any = block, shape: Shape = shape) -> float:
+            await block()  # the session, outside the clock
+            used = carrier_used(client)
+            if used != expect:
+                raise AssertionError(f"the client took {used or 'nothing'}, not {expect}")
+            return await timed(block, shape, seconds, servers=servers)
+
+        await table.arecord(key, label, shape, run)
+
+
+async def measure_direct(
+    table: Table, uris: dict[str, str], cert: str, seconds: float, pid: int
+) -> None:
+    """MOQT FETCH from the publisher on every QUIC setting and QMux carrier."""
     from kvsp.transfer.moqt_client import MoqtBlockClient
 
-    transport = transport_for(LARGEST[backend])
-    return MoqtBlockClient(backend=backend, transport=transport, timeout=30, **options)
+    for key, label, backend, transport in quic_rows():
+        uri = uris[key]
+        if not uri.startswith("moqt://"):
+            table.row(key, label).notes.append(uri)
+            continue
+        client = MoqtBlockClient(
+            cafile=cert, server_name="localhost", timeout=30, backend=backend, transport=transport
+        )
+        async with client:
+            await fetch_rows(
+                client, table, key, label, uri, None, seconds, expect="quic", servers=(pid,)
+            )
+    holder = uris.get("quic-default-1452", "")
+    for key, carrier, label in QMUX_ROWS:
+        uri = uris[key]
+        if not uri.startswith("moqt+") or not holder.startswith("moqt://"):
+            table.row(key, label).notes.append(uri if not uri.startswith("moqt+") else holder)
+            continue
+        async with MoqtBlockClient(cafile=cert, server_name="localhost", timeout=30) as client:
+            await fetch_rows(
+                client, table, key, label, holder, (uri,), seconds, expect=carrier, servers=(pid,)
+            )
 
 
-async def verified_blocks(client: Any, records: list[ReplicaRecord], seconds: float) -> float:
-    cursor = iter(range(1 << 30))
-
-    async def block() -> int:
-        record = records[next(cursor) % len(records)]
-        got = await client.get_block(record, geometry=GEOMETRY, block_tokens=TOKENS)
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in got.layers)
-
-    return await timed(block, seconds)
+# --- the relay ----------------------------------------------------------------------------------
 
 
-def measure_moqt_client(backend: str, cert: str, key: str, seconds: float) -> float:
-    process, pipe, port = in_process(publisher_main, backend, cert, key)
-    try:
-
-        async def run() -> float:
-            async with moqt_client(backend, cafile=cert, server_name="localhost") as client:
-                record = block_record(f"moqt://127.0.0.1:{port}", block_key(0))
-                return await verified_blocks(client, [record], seconds)
-
-        return asyncio.run(run())
-    finally:
-        stop(process, pipe)
-
-
-RELAY_BLOCKS = 64  # distinct blocks, so that each forwarded FETCH misses the relay's cache
-
-
-def relay_publisher_main(backend: str, relay_url: str, pipe: Connection) -> None:
-    """An instance's session to the relay: its scope announced, RELAY_BLOCKS stored blocks,
-    and live tracks produced on command ("open N" then "go N")."""
-    from kvsp.transfer.moqt_publisher import MemoryBlocks, MoqtBlockPublisher, StoredBlock
+def relay_publisher_main(carrier: str, pipe: Connection) -> None:
+    """An instance's session to the relay over ``carrier`` (a ``moqt`` URI): its scope
+    announced for both shapes, their relay blocks stored, live tracks made on command
+    ("open S N", then "go S N": shape S, track N)."""
+    from kvsp.transfer.moqt_carriers import SessionOptions, open_session
+    from kvsp.transfer.moqt_publisher import MoqtBlockPublisher
     from kvsp.transfer.moqt_transfer import parse_moqt_uri
 
     async def main() -> None:
-        blocks = MemoryBlocks()
-        for n in range(RELAY_BLOCKS):
-            blocks.add(StoredBlock.of(COMPAT, SCOPE, block_key(n), CONTAINER, geometry=GEOMETRY))
-        address = parse_moqt_uri(relay_url)
-        transport = transport_for(LARGEST[backend])
-        configuration = get_backend(backend).configuration(
-            is_client=True, transport=transport, verify=False
-        )
-        async with connect(
-            address.host,
-            address.port,
-            configuration=configuration,
-            backend=backend,
-            transport=transport,
-        ) as connection:
+        blocks = stored_blocks(SHAPES, None)
+        async with contextlib.AsyncExitStack() as stack:
+            options = SessionOptions(verify=False, timeout=30)
+            connection = await open_session(stack, parse_moqt_uri(carrier), options)
             publisher = MoqtBlockPublisher(connection, blocks)
             serving = asyncio.ensure_future(publisher.serve())
-            await publisher.announce(COMPAT, SCOPE)
+            for shape in SHAPES:
+                await publisher.announce(shape.compat, SCOPE)
             pipe.send("ready")
-            writers: dict[int, Any] = {}
+            writers: dict[tuple[int, int], Any] = {}
             loop = asyncio.get_running_loop()
             while (command := await loop.run_in_executor(None, pipe.recv)) != "stop":
-                verb, number = command.split()
-                n = int(number)
+                verb, which, number = command.split()
+                shape, n = SHAPES[int(which)], int(number)
                 if verb == "open":
-                    writers[n] = publisher.publish_live(
-                        LIVE_PRODUCER, COMPAT, SCOPE, block_key(1000 + n), token_count=TOKENS
+                    writers[int(which), n] = publisher.publish_live(
+                        LIVE_PRODUCER,
+                        shape.compat,
+                        SCOPE,
+                        block_key(shape, 1000 + n),
+                        token_count=TOKENS,
                     )
                 else:
-                    for index, (k, v) in enumerate(KV_LAYERS):
-                        writers[n].send_layer(index, k, v)
+                    writer = writers.pop((int(which), n))
+                    for index, (k, v) in enumerate(shape.layers):
+                        writer.send_layer(index, k, v)
                         await asyncio.sleep(0)
-                    writers.pop(n).finish()
+                    writer.finish()
                 pipe.send("done")
             serving.cancel()
 
     asyncio.run(main())
 
 
-LIVE_PRODUCER = "http://bench-instance.example/kvsp/"
-
-
-def relay_available() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("relay.app") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def measure_relay(backend: str, seconds: float) -> list[tuple[str, float, str]]:
-    """Forwarded FETCH, cached FETCH and live fan-out through relay.app --open."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+def start_relay(folder: Path) -> tuple[Any, str, dict[str, str]]:
+    """``relay.app --open`` listening on QUIC and on QMux TLS, TCP and a Unix socket: the
+    peer, its QUIC URI, and {row key: URI} of every carrier it announced."""
     from interop.peers import start_our_relay
 
-    folder = Path(tempfile.mkdtemp(prefix="bench-relay-"))
-    relay = start_our_relay(folder, "--backend", backend)
+    sock = folder / "relay.sock"
     try:
-        process, pipe, _ = in_process(relay_publisher_main, backend, relay.url)
-        try:
-            return asyncio.run(_relay_rows(backend, relay.url, pipe, seconds))
-        finally:
-            stop(process, pipe)
-    finally:
-        relay.stop()
+        relay = start_our_relay(
+            folder, "--qmux-unix", str(sock), "--qmux-tcp-listen", "127.0.0.1:0"
+        )
+    except Exception:  # noqa: BLE001 - no QMux in this relay: QUIC only
+        relay = start_our_relay(folder, "--qmux-listen", "off")
+    info = json.loads((folder / "relay-ready.json").read_text())
+    carriers = {"quic-default-1452": relay.url}
+    for uri in info.get("carriers", []):
+        scheme = uri.split(":", 1)[0]
+        if scheme in SCHEMES:
+            carriers[SCHEMES[scheme]] = uri
+    return relay, relay.url, carriers
 
 
-async def _relay_rows(
-    backend: str, url: str, pipe: Connection, seconds: float
-) -> list[tuple[str, float, str]]:
-    records = [block_record(url, block_key(n)) for n in range(RELAY_BLOCKS)]
-    rows = []
-    async with moqt_client(backend, verify=False) as client:
-        started, count = time.perf_counter(), 0
-        for record in records:  # every block once: each FETCH goes upstream
-            await client.get_block(record, geometry=GEOMETRY, block_tokens=TOKENS)
-            count += 1
-            if count >= 4 and time.perf_counter() - started > seconds:
-                break
-        forwarded = count * len(BLOCK) / (time.perf_counter() - started) / 1e6
-        rows.append(("publisher -> relay -> subscriber, FETCH forwarded", forwarded, "cache miss"))
-        cached = await verified_blocks(client, records[:count], seconds)
-        rows.append(("publisher -> relay -> subscriber, FETCH cached", cached, "cache hit"))
-    rows.append(await _fanout(backend, url, pipe))
-    return rows
+def fastest_carrier(table: Table, offered: dict[str, str]) -> str:
+    """The row key of the fastest carrier (2 MiB, direct) that the relay offers."""
+    measured = [(table.rate(key) or 0.0, key) for key in offered]
+    return max(measured)[1]
 
 
-async def _fanout(backend: str, url: str, pipe: Connection) -> tuple[str, float, str]:
-    """FANOUT subscribers of one live track through the relay, rounds of one block each."""
+async def measure_relay(
+    table: Table,
+    url: str,
+    carrier_key: str,
+    carrier: str,
+    pipe: Connection,
+    seconds: float,
+    servers: tuple[int, ...],
+) -> None:
+    """FETCH forwarded upstream (a miss per block), FETCH from the cache, and fan-out."""
     from kvsp.transfer.moqt_client import MoqtBlockClient
 
+    name = CARRIER_NAMES[carrier_key]
+    expect = next((c for k, c, _ in QMUX_ROWS if k == carrier_key), "quic")
+    carriers = None if carrier_key == "quic-default-1452" else (carrier,)
+    async with MoqtBlockClient(verify=False, timeout=30) as client:
+        for shape in SHAPES:
+            records = [
+                block_record(shape, url, block_key(shape, n), carriers)
+                for n in range(shape.relay_blocks)
+            ]
+            fetched: list[ReplicaRecord] = []
+
+            async def miss(
+                records: list[ReplicaRecord] = records,
+                shape: Shape = shape,
+                fetched: list[ReplicaRecord] = fetched,
+            ) -> float:
+                got = await client.get_block(
+                    records[-1], geometry=shape.geometry, block_tokens=TOKENS
+                )  # the session and a forwarded FETCH, outside the clock
+                if kv_octets(got) != shape.payload or carrier_used(client) != expect:
+                    raise AssertionError(f"the client took {carrier_used(client)}, not {expect}")
+                cursor = iter(records[:-1])
+
+                async def block() -> int:
+                    record = next(cursor)
+                    fetched.append(record)
+                    got = await client.get_block(
+                        record, geometry=shape.geometry, block_tokens=TOKENS
+                    )
+                    return kv_octets(got)
+
+                return await timed(block, shape, seconds, limit=len(records) - 1, servers=servers)
+
+            async def hit(shape: Shape = shape, fetched: list[ReplicaRecord] = fetched) -> float:
+                cursor = iter(range(1 << 30))
+
+                async def block() -> int:
+                    record = fetched[next(cursor) % len(fetched)]
+                    got = await client.get_block(
+                        record, geometry=shape.geometry, block_tokens=TOKENS
+                    )
+                    return kv_octets(got)
+
+                return await timed(block, shape, seconds, servers=servers)
+
+            label = f"relay, FETCH forwarded upstream (miss), {name}"
+            await table.arecord("relay-miss", label, shape, miss)
+            if fetched:
+                label = f"relay, FETCH from its cache (hit), {name}"
+                await table.arecord("relay-hit", label, shape, hit)
+    for index, shape in enumerate(SHAPES):
+        label = f"relay, live track to {FANOUT} subscribers (MB/s each), {name}"
+        await table.arecord(
+            "relay-fanout", label, shape, lambda i=index: fanout(i, carrier, pipe, seconds)
+        )
+
+
+async def fanout(which: int, carrier: str, pipe: Connection, seconds: float) -> float:
+    """FANOUT subscribers of live tracks through the relay, rounds of one block each; MB/s
+    each subscriber received (the note gives the sum)."""
+    from kvsp.transfer.moqt_client import MoqtBlockClient
+
+    shape = SHAPES[which]
     loop = asyncio.get_running_loop()
-    clients = [moqt_client(backend, verify=False) for _ in range(FANOUT)]
-    total, elapsed = 0, 0.0
+    clients = [MoqtBlockClient(verify=False, timeout=30) for _ in range(FANOUT)]
+    total, elapsed, rounds = 0, 0.0, 0
     try:
-        for n in range(4):
-            pipe.send(f"open {n}")
+        while rounds < 2 or (elapsed < seconds and rounds < 16):
+            pipe.send(f"open {which} {rounds}")
             await loop.run_in_executor(None, pipe.recv)
-            streams = [_live(client, url, n) for client in clients]
+            streams = [
+                client.subscribe_live(
+                    carrier,
+                    producer=LIVE_PRODUCER,
+                    compat=shape.compat,
+                    scope=SCOPE,
+                    key=block_key(shape, 1000 + rounds),
+                    geometry=shape.geometry,
+                    block_tokens=TOKENS,
+                )
+                for client in clients
+            ]
             tasks = [asyncio.ensure_future(_drain(stream)) for stream in streams]
-            await asyncio.sleep(0.3)  # every SUBSCRIBE has reached the publisher
+            await asyncio.sleep(0.2)  # every SUBSCRIBE has reached the publisher
             started = time.perf_counter()
-            pipe.send(f"go {n}")
+            pipe.send(f"go {which} {rounds}")
             sizes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             elapsed += time.perf_counter() - started
             await loop.run_in_executor(None, pipe.recv)
+            if any(size != shape.payload for size in sizes):
+                raise AssertionError(f"subscribers got {sizes}, expected {shape.payload} each")
             total += sum(sizes)
+            rounds += 1
     finally:
         for client in clients:
-            await MoqtBlockClient.aclose(client)
-    each = total / FANOUT / elapsed / 1e6
-    return (
-        f"live track, relay fan-out to {FANOUT} subscribers",
-        each,
-        f"{each * FANOUT:.1f} MB/s in all",
-    )
-
-
-def _live(client: Any, url: str, n: int) -> Any:
-    return client.subscribe_live(
-        url,
-        producer=LIVE_PRODUCER,
-        compat=COMPAT,
-        scope=SCOPE,
-        key=block_key(1000 + n),
-        geometry=GEOMETRY,
-        block_tokens=TOKENS,
-    )
+            await client.aclose()
+    return total / FANOUT / elapsed / 1e6
 
 
 async def _drain(stream: Any) -> int:
-    block = await stream.block()
-    return sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
+    return kv_octets(await stream.block())
 
 
-def paths_table(
-    backends: list[str], cert: str, key: str, seconds: float
-) -> list[tuple[str, float, str]]:
-    """The same 2 MiB block over every path, one after another, in one table."""
-    best = "qh3" if "qh3" in backends else backends[0]
-    print()
-    print("# one 2 MiB block (32 layers x 64 KiB), blocks one after another, loopback, verified")
-    print("# where the client verifies; MOQT at each backend's largest datagram")
-    rows: list[tuple[str, float, str]] = []
-    attempts: list[tuple[str, Any]] = [
-        ("plain TCP stream (blocking sockets)", lambda: measure_tcp(seconds)),
-        ("HTTP GET, kvsp serve holder + BlockClient", lambda: measure_http(seconds)),
-    ]
-    for backend in backends:
-        attempts.append(
-            (
-                f"MOQT FETCH direct, MoqtBlockClient ({backend})",
-                lambda b=backend: measure_moqt_client(b, cert, key, seconds),
+# --- the directive path --------------------------------------------------------------------------
+
+DIRECTIVE_BLOCKS = 64
+DIRECTIVE_BYTES = 64 * 1024
+
+
+async def measure_directive_rows(table: Table, transports: tuple[str, ...]) -> None:
+    """Blocks a second of a ``kvsp demo``-sized directive, with the pipeline and without."""
+    from bench.bench_directive import measure_directive
+
+    shape = SHAPES[1]
+    for transport in transports:
+        for pipeline, suffix, when in ((True, "", "now"), (False, "-before", "before")):
+            key = f"directive-{transport}{suffix}"
+            label = f"directive path, {transport.upper()}, {DIRECTIVE_BLOCKS} blocks ({when})"
+            row = table.row(key, label)
+
+            async def run(
+                pipeline: bool = pipeline, transport: str = transport, row: Row = row
+            ) -> float:
+                rate = await measure_directive(
+                    DIRECTIVE_BYTES, DIRECTIVE_BLOCKS, pipeline=pipeline, transport=transport
+                )
+                row.per_second[shape.name] = rate
+                return rate * DIRECTIVE_BYTES / 1e6
+
+            await table.arecord(key, label, shape, run)
+
+
+# --- peers: Redis and Mooncake -------------------------------------------------------------------
+
+
+def measure_redis(table: Table, seconds: float) -> None:
+    """GET of a stored container + SHA-256 of it (LMCache's Redis backend, plus the hash)."""
+    label = "peer: Redis GET + SHA-256"
+    row = table.row("redis", label)
+    exe = shutil.which("redis-server")
+    if exe is None:
+        row.notes.append("skipped: redis-server is not installed")
+        return
+    try:
+        import redis
+    except ModuleNotFoundError:
+        row.notes.append("skipped: the redis Python package is not installed")
+        return
+    port = free_port()
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        for shape in SHAPES:
+            name = f"block-{shape.name}"
+            client.set(name, shape.container)
+            digest = hashlib.sha256(shape.container).digest()
+
+            async def block(name: str = name, digest: bytes = digest, shape: Shape = shape) -> int:
+                data = client.get(name)
+                if not isinstance(data, bytes) or hashlib.sha256(data).digest() != digest:
+                    raise AssertionError("Redis returned other octets")
+                return len(data) - (len(shape.container) - shape.payload)
+
+            table.record(
+                "redis", label, shape, lambda b=block, s=shape: asyncio.run(timed(b, s, seconds))
             )
+        client.close()
+    except Exception as exc:  # noqa: BLE001
+        row.notes.append(failure("redis", exc))
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+MOONCAKE_PACKAGES = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+"""Tried in order: the CPU build first (the CUDA one needs libcuda to import)."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(os.environ.get("KVSP_BENCH_CACHE", Path(base) / "kvsp-bench"))
+
+
+def mooncake_python(install: bool) -> tuple[Path | None, str]:
+    """A Python that imports ``mooncake.store`` (from a venv under :func:`cache_dir`), or
+    None and why not."""
+    reasons = []
+    for package in MOONCAKE_PACKAGES:
+        venv = cache_dir() / f"venv-{package}"
+        python = venv / "bin" / "python"
+        if not python.exists():
+            if not install:
+                reasons.append(f"{package} not installed (run with --install-peers)")
+                continue
+            print(f"# installing {package} into {venv} ...", flush=True)
+            made = subprocess.run(
+                [sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True
+            )
+            pip = [str(python), "-m", "pip", "install", "-q", package]
+            done = made.returncode == 0 and (
+                subprocess.run(pip, capture_output=True, text=True, timeout=900).returncode == 0
+            )
+            if not done:
+                shutil.rmtree(venv, ignore_errors=True)
+                reasons.append(f"pip install {package} failed")
+                continue
+        check = subprocess.run(
+            [str(python), "-c", "import mooncake.store"], capture_output=True, text=True
         )
-    for label, run in attempts:
+        if check.returncode == 0:
+            return python, package
+        last = (check.stderr.strip().splitlines() or ["?"])[-1]
+        reasons.append(f"{package} does not import: {last}")
+    return None, "; ".join(reasons)
+
+
+def measure_mooncake(table: Table, seconds: float, install: bool) -> None:
+    """``get_into`` of a block held by another process's segment, over Mooncake's TCP
+    transport, + SHA-256 (bench/peer_mooncake.py)."""
+    label = "peer: Mooncake Store get_into + SHA-256 (TCP)"
+    row = table.row("mooncake", label)
+    python, found = mooncake_python(install)
+    if python is None:
+        row.notes.append(f"skipped: {found}")
+        return
+    master_exe = python.parent / "mooncake_master"
+    script = str(Path(__file__).with_name("peer_mooncake.py"))
+    folder = Path(tempfile.mkdtemp(prefix="bench-mooncake-"))
+    http, rpc, metrics = free_port(), free_port(), free_port()
+    master = subprocess.Popen(
+        [
+            str(master_exe),
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc}",
+            f"--metrics_port={metrics}",
+            "--enable_metric_reporting=false",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(folder / "master.log", "wb"),  # noqa: SIM115 - closed with the process
+    )
+    common = ["--master", f"127.0.0.1:{rpc}", "--metadata", f"http://127.0.0.1:{http}/metadata"]
+    common += ["--sizes", ",".join(str(s.payload) for s in SHAPES)]
+    holder = None
+    try:
+        wait_port(rpc, 20)
+        holder = subprocess.Popen(
+            [str(python), script, "holder", *common],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(folder / "holder.log", "wb"),  # noqa: SIM115
+            text=True,
+        )
+        assert holder.stdout is not None
+        digests = holder.stdout.readline().strip()
+        if not digests:
+            raise RuntimeError(f"the holder stopped: {(folder / 'holder.log').read_text()[-300:]}")
+        client = subprocess.run(
+            [str(python), script, "client", *common, "--seconds", str(seconds)]
+            + ["--digests", digests],
+            capture_output=True,
+            text=True,
+            timeout=60 + 4 * seconds,
+        )
+        if client.returncode != 0:
+            raise RuntimeError(client.stderr.strip()[-300:] or f"exit {client.returncode}")
+        rates = json.loads(client.stdout.strip().splitlines()[-1])
+        for shape in SHAPES:
+            table.row("mooncake", label).rates[shape.name] = float(rates[str(shape.payload)])
+        row.notes.append(f"{found}")
+    except Exception as exc:  # noqa: BLE001
+        row.notes.append(failure("mooncake", exc))
+    finally:
+        if holder is not None:
+            with contextlib.suppress(OSError):
+                assert holder.stdin is not None
+                holder.stdin.close()
+            try:
+                holder.wait(10)
+            except subprocess.TimeoutExpired:
+                holder.kill()
+        master.terminate()
         try:
-            rows.append((label, run(), ""))
-        except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
-            rows.append((label, 0.0, f"failed: {type(exc).__name__}: {exc}"[:90]))
-    if relay_available():
+            master.wait(10)
+        except subprocess.TimeoutExpired:
+            master.kill()
+
+
+def wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            rows += [
-                (f"{label} ({best})", rate, note)
-                for label, rate, note in measure_relay(best, seconds)
-            ]
-        except Exception as exc:  # noqa: BLE001
-            rows.append((f"relay ({best})", 0.0, f"failed: {type(exc).__name__}: {exc}"[:90]))
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+RATIOS = (
+    ("qmux-tls/http-verified", "qmux-tls", "http", 0.8),
+    ("qmux-uds/http-verified", "qmux-uds", "http", 1.0),
+    ("quic-default-1452/aioquic-defaults", "quic-default-1452", "quic-aioquic-defaults", 10.0),
+    ("relay-miss/direct", "relay-miss", "relay-direct", 0.6),
+    ("directive-64k/directive-64k-before", "directive-moqt", "directive-moqt-before", 10.0),
+)
+"""(name, numerator row, denominator row, target): 2 MiB blocks but for the directive rows."""
+
+
+def ratios(table: Table, relay_carrier: str | None) -> list[tuple[str, float | None, float]]:
+    out = []
+    for name, top, bottom, target in RATIOS:
+        shape = "64 KiB" if top.startswith("directive") else "2 MiB"
+        if bottom == "relay-direct":
+            bottom = relay_carrier or ""
+        a, b = table.rate(top, shape), table.rate(bottom, shape)
+        out.append((name, a / b if a and b else None, target))
+    return out
+
+
+def print_table(table: Table, found: list[tuple[str, float | None, float]]) -> None:
+    names = [shape.name for shape in SHAPES]
+    print("# cpu ms/block (2 MiB): CPU milliseconds a block of the client | the server process")
+    print("# (relay rows: client | relay | publisher); 2 cores shared by all of them")
+    head = f"{'path':72}" + "".join(f" {n + ' MB/s':>12} {'ms/block':>8}" for n in names)
+    print(head + "  note")
+    for row in table.rows.values():
+        cells = ""
+        for shape in SHAPES:
+            rate = row.rates.get(shape.name)
+            if rate:
+                cells += f" {rate:12.1f} {shape.payload / 1e3 / rate:8.2f}"
+            else:
+                cells += f" {'-':>12} {'-':>8}"
+        notes = list(row.notes)
+        notes += [f"{n}: {r:.0f} blocks/s" for n, r in row.per_second.items()]
+        print(f"{row.label[:72]:72}{cells}  {'; '.join(notes)}")
+    print()
+    print(f"{'ratio (2 MiB; directive: 64 KiB blocks/s)':44} {'value':>8} {'target':>8}  met")
+    for name, value, target in found:
+        shown = f"{value:8.2f}" if value is not None else f"{'-':>8}"
+        met = "yes" if value is not None and value >= target else "NO"
+        print(f"{name:44} {shown} {'>= ' + format(target, 'g'):>8}  {met}")
+
+
+def run_all(args: argparse.Namespace, cert: str, key: str, folder: Path) -> dict[str, Any]:
+    table = Table()
+    seconds = args.seconds
+    started = time.perf_counter()
+    context = multiprocessing.get_context("spawn")
+    print(f"# blocks: {', '.join(f'{s.name} ({len(s.layers)} layers)' for s in SHAPES)}; ", end="")
+    print(f"QUIC default {default_backend()} {get_backend().version}; {seconds:g} s a row")
+    holder_folder = folder / "holder"
+    holder_folder.mkdir()
+    publisher = in_process(publisher_main, cert, key, str(folder))
+    holder = start_holder(holder_folder)
+    relay_folder = folder / "relay"
+    relay_folder.mkdir()
+    try:
+        measure_tcp(table, seconds)
+        asyncio.run(measure_http(table, holder.base_url, seconds, holder.proc.pid))
+        holder.stop()
+        asyncio.run(measure_direct(table, publisher[2], cert, seconds, publisher[0].pid))
+    finally:
+        stop(publisher[0], publisher[1])
+        holder.stop()
+    relay_carrier = None
+    try:
+        relay, url, offered = start_relay(relay_folder)
+    except Exception as exc:  # noqa: BLE001
+        table.row("relay-miss", "relay").notes.append(failure("relay", exc))
     else:
-        rows.append(("relay", 0.0, "relay.app does not exist yet"))
-    tcp = rows[0][1] or None
-    print(f"{'path':58} {'MB/s':>8} {'ms/block':>9} {'vs TCP':>7}  note")
-    for label, rate, note in rows:
-        ms = f"{len(BLOCK) / 1e6 / rate * 1000:9.1f}" if rate else f"{'-':>9}"
-        versus = f"{rate / tcp:7.3f}" if rate and tcp else f"{'-':>7}"
-        print(f"{label:58} {rate:8.1f} {ms} {versus}  {note}")
-    return rows
+        try:
+            relay_carrier = fastest_carrier(table, offered)
+            carrier = offered[relay_carrier]
+            process, pipe, _ = in_process(relay_publisher_main, carrier)
+            try:
+                servers = (relay.proc.pid, process.pid)
+                run = measure_relay(table, url, relay_carrier, carrier, pipe, seconds, servers)
+                asyncio.run(run)
+            finally:
+                stop(process, pipe)
+        except Exception as exc:  # noqa: BLE001
+            table.row("relay-miss", "relay").notes.append(failure("relay", exc))
+        finally:
+            relay.stop()
+    del context
+    measure_redis(table, seconds)
+    measure_mooncake(table, seconds, install=args.install_peers or not args.quick)
+    transports = ("moqt",) if args.quick else ("moqt", "http")
+    try:
+        asyncio.run(measure_directive_rows(table, transports))
+    finally:
+        with contextlib.suppress(Exception):
+            from bench.bench_directive import _stop_all
+
+            _stop_all()
+    found = ratios(table, relay_carrier)
+    print()
+    print_table(table, found)
+    print(f"# {time.perf_counter() - started:.0f} s")
+    paths = [
+        {"path": f"{row.label} ({shape})", "mb_s": rate, "note": "; ".join(row.notes)}
+        | {"key": row.key, "block": shape}
+        for row in table.rows.values()
+        for shape, rate in row.rates.items()
+    ]
+    paths += [
+        {"path": row.label, "mb_s": 0.0, "note": "; ".join(row.notes), "key": row.key}
+        for row in table.rows.values()
+        if not row.rates
+    ]
+    return {
+        "paths": paths,
+        "ratios": [{"ratio": n, "value": v, "target": t} for n, v, t in found],
+        "found": found,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short rows (under 2 minutes)")
+    parser.add_argument("--seconds", type=float, help="time per row (default 2; 0.8 quick)")
+    parser.add_argument("--install-peers", action="store_true", help="pip install Mooncake")
+    parser.add_argument("--paired", action="store_true", help="also the MOQT/raw QUIC table")
+    parser.add_argument("--backends", default=",".join(available_backends()))
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args()
+    if args.seconds is None:
+        args.seconds = 0.8 if args.quick else 2.0
+    folder = Path(tempfile.mkdtemp(prefix="bench-moqt-"))
+    cert, key = (str(path) for path in make_self_signed("localhost", folder))
+    doc: dict[str, Any] = {"moqt": []}
+    if args.paired:
+        sizes = [int(size) for size in args.sizes.split(",")]
+        rows = moqt_table(args.backends.split(","), sizes, cert, key, args.seconds)
+        keys = ("backend", "datagram", "moqt_mb_s", "raw_mb_s")
+        doc["moqt"] = [dict(zip(keys, row[:4], strict=True)) for row in rows]
+        print()
+    found = run_all(args, cert, key, folder)
+    doc |= {k: v for k, v in found.items() if k != "found"}
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc), encoding="utf-8")
+    shutil.rmtree(folder, ignore_errors=True)
+    print()
+    for name, value, _ in found["found"]:
+        print(f"ratio {name} = {value or 0.0:.2f}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from cryptography import x509
 from kvsp.errors import BadRequest, KVSPError
 from kvsp.leases import LeaseQuota
 from kvsp.transfer.moqt_carriers import is_loopback
+from kvsp.transfer.relay_link import datagram_size
 from kvsp.web.auth import Principals
 from kvsp.web.cliargs import (
     add_common_arguments,
@@ -59,7 +60,13 @@ from kvsp.web.cliargs import (
 )
 from kvsp.web.clock import SystemClock
 from kvsp.web.runner import write_ready_file
-from moqt.backend import BACKENDS, default_backend, transport_banner
+from moqt.backend import (
+    BACKENDS,
+    DEFAULT_DATAGRAM_SIZE,
+    TransportConfig,
+    default_backend,
+    transport_banner,
+)
 from moqt.certs import make_self_signed
 
 from .holder import DEFAULT_RECORD_TTL_MS, HolderConfig, RelayHolder
@@ -87,6 +94,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         choices=BACKENDS,
         default=None,
         help="QUIC library (default: the fastest installed, qh3 before aioquic)",
+    )
+    add(
+        "--quic-datagram-size",
+        type=datagram_size,
+        default=DEFAULT_DATAGRAM_SIZE,
+        metavar="OCTETS",
+        help=f"largest QUIC datagram sent, 1200-65527 (default {DEFAULT_DATAGRAM_SIZE}; 1200: "
+        "aioquic's own default, safe on any path)",
     )
     add(
         "--qmux-listen",
@@ -245,6 +260,7 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
         qmux_unix=args.qmux_unix,
         trusted_network=args.trusted_network,
         backend=args.backend or default_backend(),
+        datagram_size=args.quic_datagram_size,
         cache_bytes=args.cache_size,
         principals=_principals(args),
         upstream=_upstream(args),
@@ -310,8 +326,9 @@ async def _serve(
             if args.ready_file is not None:
                 ready = {"moqt": moqt_url, "http": face.url, "carriers": list(relay.carriers)}
                 write_ready_file(Path(args.ready_file), json.dumps(ready))
+            quic = TransportConfig(max_datagram_size=config.datagram_size)
             print(
-                f"kvsp relay: {moqt_url} (QUIC: {transport_banner(config.backend)}); QMux: "
+                f"kvsp relay: {moqt_url} (QUIC: {transport_banner(config.backend, quic)}); QMux: "
                 f"{', '.join(relay.carriers) or 'off'}; HTTP face {face.url}",
                 file=sys.stderr,
             )

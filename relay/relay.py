@@ -39,7 +39,7 @@ from kvsp.errors import Unauthorized
 from kvsp.web.auth import Principal, Principals
 from kvsp.web.clock import Clock, SystemClock
 from moqt.asyncio import MOQTConnection, MOQTServer, serve
-from moqt.backend import TransportConfig, get_backend, transport_banner
+from moqt.backend import DEFAULT_DATAGRAM_SIZE, TransportConfig, get_backend, transport_banner
 from moqt.errors import RequestErrorCode, SessionError
 from moqt.messages import (
     AuthToken,
@@ -94,6 +94,8 @@ class RelayConfig:
     host: str = "127.0.0.1"
     port: int = 0
     backend: str | None = None
+    datagram_size: int | None = DEFAULT_DATAGRAM_SIZE
+    """Largest QUIC datagram the relay sends (``--quic-datagram-size``)."""
     cache_bytes: int = 1 << 30
     principals: Principals | None = None
     upstream: UpstreamConfig | None = None
@@ -170,9 +172,10 @@ class Relay(Announcements):
         """Listen; returns the relay's ``moqt://host:port/`` URL."""
         cfg = self.config
         backend = get_backend(cfg.backend)
+        transport = TransportConfig(max_datagram_size=cfg.datagram_size)
         configuration = backend.configuration(
             is_client=False,
-            transport=TransportConfig(),
+            transport=transport,
             certificate=str(cfg.certificate),
             private_key=str(cfg.private_key),
         )
@@ -187,7 +190,7 @@ class Relay(Announcements):
         host, port = self._server.address
         shown = f"[{host}]" if ":" in host else host
         self.url = cfg.public_url or f"moqt://{shown}:{port}/"
-        log.info("MOQT over QUIC at %s: %s", self.url, transport_banner(cfg.backend))
+        log.info("MOQT over QUIC at %s: %s", self.url, transport_banner(cfg.backend, transport))
         self.carriers = await self._serve_qmux()
         if not self.holder.holder_url:
             self.holder.holder_url = self.url

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
+
 from kvsp.container import (
     Container,
     Geometry,
@@ -45,6 +47,7 @@ from kvsp.container import (
 from kvsp.errors import (
     BlockLeased,
     Conflict,
+    DigestMismatch,
     Incompatible,
     InsufficientStorage,
     KVSPError,
@@ -183,6 +186,101 @@ def describe_block(
         layer_digests=digests,
         digest=replica_digest(digests),
         repr_digest=hashlib.sha256(data).digest() if repr_digest is None else repr_digest,
+    )
+
+
+def describe_verified(
+    ref: BlockRef,
+    data: memoryview,
+    geometry: Geometry,
+    verified: Container,
+    layer_digests: Sequence[bytes],
+) -> BlockMeta:
+    """:func:`describe_block` for a container whose layers were verified already (§6.7):
+    ``verified``, whose layers hashed to ``layer_digests``, must encode to exactly ``data``.
+    That is checked by comparing the octets, which costs a fraction of hashing them again;
+    only the Repr-Digest is computed.
+
+    Raises:
+        ContainerError: the octets are not a container of this geometry (§4.3).
+        DigestMismatch: ``data`` is not ``verified``'s encoding, or ``layer_digests`` does not
+            have one digest per layer.
+    """
+    container = decode_container(data, geometry)
+    if len(layer_digests) != container.layer_count:
+        raise DigestMismatch("one layer digest per verified layer expected")
+    expected = verified.encode()
+    same = len(expected) == data.nbytes and np.array_equal(
+        np.frombuffer(expected, np.uint8), np.frombuffer(data, np.uint8)
+    )
+    if not same:
+        raise DigestMismatch("the stored octets are not the verified block's")
+    return verified_meta(ref, data, container, geometry, layer_digests)
+
+
+IN_PLACE_FROM = 256 * 1024
+"""Containers at least this large are kept in the buffer their layers lie in when they can
+be (:func:`container_octets`); smaller ones are encoded anew, which costs less than checking."""
+
+
+def container_octets(container: Container) -> bytes:
+    """The container's encoding (§4.3) without a copy when the layers are views of one buffer
+    holding exactly that encoding, each at its place (a received body): that buffer; else a
+    new encoding.
+
+    Whether each K and V view lies at its encoded offset is checked by address, so a buffer
+    whose layers are arranged otherwise is never mistaken for the encoding.
+    """
+    layers = container.layers
+    body = layers[0].k.obj if layers else None
+    if not isinstance(body, bytes | bytearray) or len(body) < IN_PLACE_FROM:
+        return container.encode()
+    header = container.header_bytes
+    offset = len(header)
+    size = offset + sum(layer.k.nbytes + layer.v.nbytes for layer in layers)
+    if len(body) != size or not body.startswith(header):
+        return container.encode()
+    base = _address(memoryview(body))
+    for layer in layers:
+        for view in (layer.k, layer.v):
+            if view.obj is not body or _address(view) != base + offset:
+                return container.encode()
+            offset += view.nbytes
+    return body  # type: ignore[return-value]  # a bytearray: accepted wherever bytes is
+
+
+def _address(view: memoryview) -> int:
+    address: int = np.frombuffer(view, np.uint8).ctypes.data
+    return address
+
+
+def verified_meta(
+    ref: BlockRef,
+    data: bytes | memoryview,
+    verified: Container,
+    geometry: Geometry,
+    layer_digests: Sequence[bytes],
+) -> BlockMeta:
+    """The :class:`BlockMeta` of ``data``, the caller's own encoding of ``verified`` (whose
+    layers hashed to ``layer_digests``): nothing is decoded or hashed but the Repr-Digest.
+
+    Raises:
+        DigestMismatch: ``layer_digests`` does not have one digest per layer.
+    """
+    if len(layer_digests) != verified.layer_count:
+        raise DigestMismatch("one layer digest per verified layer expected")
+    digests = tuple(layer_digests)
+    return BlockMeta(
+        ref=ref,
+        codec=verified.codec,
+        first_layer=verified.first_layer,
+        layer_count=verified.layer_count,
+        token_count=verified.token_count,
+        total_layers=geometry.layers,
+        size=len(data) if isinstance(data, bytes) else data.nbytes,
+        layer_digests=digests,
+        digest=replica_digest(digests),
+        repr_digest=hashlib.sha256(data).digest(),
     )
 
 

@@ -64,6 +64,9 @@ MAX_ERROR_BODY = 64 * 1024
 MAX_JSON_BODY = 1 << 20
 _LEASE_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 _SLICED = ("slices", "inline", "paired")  # the placements SliceBody serves
+INLINE_BELOW = 256 * 1024
+"""Bodies shorter than this are hashed on the event loop as they arrive: handing a small
+body's slices to worker threads costs more than hashing them (``bench/bench_directive.py``)."""
 
 
 # -- per-source outcomes -------------------------------------------------------------------------
@@ -213,7 +216,9 @@ class BlockClient:
     ``bulk`` shares a :class:`~kvsp.transfer.bulk.BulkClient` (not closed here);
     ``executor`` the verification threads (default: a pool of ``workers`` made here; by
     default :func:`default_workers`).
-    ``hashing`` places the verification passes (see :mod:`kvsp.transfer.verify`). ``buffers``
+    ``hashing`` places the verification passes (see :mod:`kvsp.transfer.verify`); bodies
+    shorter than ``inline_below`` octets are hashed on the event loop whatever it says (the
+    sliced placements only: a ``sink`` body keeps its placement). ``buffers``
     lends the memory bodies land in and takes it back when a block is dropped (default: a
     :class:`~kvsp.transfer.buffers.BufferPool` of its own; ``BufferPool(0)`` reuses
     nothing). With ``moqt`` (closed with this client) :meth:`get_block` and :meth:`fetch`
@@ -234,6 +239,7 @@ class BlockClient:
         stats: FetchStats | None = None,
         moqt: MoqtBlockClient | None = None,
         buffers: BufferPool | None = None,
+        inline_below: int = INLINE_BELOW,
     ) -> None:
         self._auth = {} if token is None else {"authorization": f"Bearer {token}"}
         self.moqt = moqt
@@ -246,6 +252,7 @@ class BlockClient:
             self._executor = ThreadPoolExecutor(count, thread_name_prefix="kvsp-verify")
         self.hashing: Hashing = hashing
         self.slice_step = slice_step
+        self.inline_below = inline_below
         self.stats = stats or FetchStats()
         self._owns_buffers = buffers is None
         self.buffers = BufferPool() if buffers is None else buffers
@@ -345,11 +352,12 @@ class BlockClient:
         """The consumer that verifies a 200 answer's body: a :class:`SliceBody` where
         :attr:`hashing` slices a body of known length that lands in its own buffer."""
         if self.hashing in _SLICED and length is not None and sink is None:
+            inline = self.hashing == "inline" or length < self.inline_below
             return SliceBody(
                 plan,
                 expected,
                 length,
-                executor=None if self.hashing == "inline" else self._executor,
+                executor=None if inline else self._executor,
                 step=self.slice_step,
                 paired=self.hashing == "paired",
                 buffers=self.buffers,

@@ -19,6 +19,12 @@
 the first publication of each replica also pushes the block to the relay. The push happens in
 the background and never fails the publication: the IS record is authoritative (§6.1), the
 relay's copy an extra source.
+
+:class:`RelayAttachment` reads the command line: ``--relay`` and ``--relay-cafile``, and how
+the process's MOQT client reaches ``moqt://`` holders: ``--moqt-carriers off`` keeps it on QUIC
+(no QMux carrier a record offers is used, DESIGN.md §4 Carriers), ``--moqt-backend`` and
+``--moqt-datagram-size`` choose the QUIC library and the largest datagram it sends (RFC 9000
+§14: at least 1,200 octets; §18.2: at most 65,527).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.transfer.moqt_publisher import BlockSource, MemoryBlocks, MoqtBlockPublisher, StoredBlock
 from kvsp.transfer.moqt_transfer import parse_moqt_uri
 from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError
-from moqt.backend import TransportConfig, transport_banner
+from moqt.backend import BACKENDS, DEFAULT_DATAGRAM_SIZE, TransportConfig, transport_banner
 from moqt.wire import Location
 
 log = logging.getLogger(__name__)
@@ -70,6 +76,8 @@ class RelayLinkConfig:
     backend: str | None = None
     """QUIC library; None: the measured default (:func:`moqt.backend.default_backend`)."""
     transport: TransportConfig | None = None
+    qmux: bool = True
+    """Whether ``url`` may be a QMux carrier (``--moqt-carriers``)."""
     trusted_network: bool = False
     """Allow ``moqt+tcp://`` to a non-loopback relay."""
     retry_s: float = 1.0
@@ -112,7 +120,7 @@ class RelayLink:
 
     def __init__(self, config: RelayLinkConfig, blocks: BlockSource) -> None:
         self.config = config
-        policy = CarrierPolicy(trusted_network=config.trusted_network)
+        policy = CarrierPolicy(qmux=config.qmux, trusted_network=config.trusted_network)
         self.address = check_allowed(parse_moqt_uri(config.url), policy)
         self.blocks = blocks
         self.pushed = 0
@@ -175,7 +183,7 @@ class RelayLink:
             transport=cfg.transport,
             token=None if cfg.token is None else cfg.token.encode(),
             timeout=cfg.timeout_s,
-            policy=CarrierPolicy(trusted_network=cfg.trusted_network),
+            policy=CarrierPolicy(qmux=cfg.qmux, trusted_network=cfg.trusted_network),
         )
         async with contextlib.AsyncExitStack() as stack:
             connection = await open_session(stack, self.address, options)
@@ -292,8 +300,29 @@ class MirroringIndex:
 # --- the command line (``kvsp serve instance``) ------------------------------------------------
 
 
+MIN_DATAGRAM = 1200
+"""The smallest QUIC datagram a path must carry (RFC 9000 §14); also aioquic's own default."""
+MAX_DATAGRAM = 65527
+"""The largest max_udp_payload_size (RFC 9000 §18.2)."""
+
+
+def datagram_size(text: str) -> int:
+    """A QUIC datagram size in octets, 1200 to 65527 (an ``argparse`` type).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer in that range.
+    """
+    if not (text.isascii() and text.isdigit()) or not MIN_DATAGRAM <= int(text) <= MAX_DATAGRAM:
+        raise argparse.ArgumentTypeError(
+            f"expected a datagram size of {MIN_DATAGRAM} to {MAX_DATAGRAM} octets, got {text!r}"
+        )
+    return int(text)
+
+
 def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--relay URL``, ``--relay-cafile PEM`` and ``--trusted-network``."""
+    """Add ``--relay URL``, ``--relay-cafile PEM``, ``--trusted-network`` and the MOQT client's
+    transport choices: ``--moqt-carriers on|off``, ``--moqt-backend NAME``,
+    ``--moqt-datagram-size OCTETS``."""
     parser.add_argument(
         "--relay",
         metavar="URL",
@@ -312,37 +341,84 @@ def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PEM",
         help="pin this certificate for the relay and other moqt:// holders (relay-tls/cert.pem)",
     )
+    parser.add_argument(
+        "--moqt-carriers",
+        choices=("on", "off"),
+        default="on",
+        help="on: reach a moqt:// holder over the QMux carriers its record offers (Unix socket, "
+        "TLS, TCP) before QUIC (default); off: QUIC only, e.g. where a middlebox passes only UDP "
+        "or to compare the carriers",
+    )
+    parser.add_argument(
+        "--moqt-backend",
+        choices=BACKENDS,
+        default=None,
+        help="QUIC library for MOQT sessions (default: the fastest installed, qh3 before aioquic)",
+    )
+    parser.add_argument(
+        "--moqt-datagram-size",
+        type=datagram_size,
+        metavar="OCTETS",
+        default=None,
+        help=f"largest QUIC datagram this process sends, {MIN_DATAGRAM}-{MAX_DATAGRAM} "
+        f"(default {DEFAULT_DATAGRAM_SIZE}, with path-MTU probing where the library does it; "
+        f"{MIN_DATAGRAM}: aioquic's own default, safe on any path)",
+    )
+
+
+def relay_transport(args: argparse.Namespace) -> TransportConfig | None:
+    """The QUIC transport ``--moqt-datagram-size`` asks for; None: the defaults."""
+    size = getattr(args, "moqt_datagram_size", None)
+    return None if size is None else TransportConfig(max_datagram_size=size)
 
 
 class RelayAttachment:
-    """What ``--relay``/``--relay-cafile`` add to a process with a holder face: a MOQT block
-    client for ``moqt://`` replicas, and (with ``--relay``) the link that mirrors the holder's
+    """What ``--relay``/``--relay-cafile`` and the ``--moqt-*`` options add to a process with a
+    holder face: a MOQT block client for ``moqt://`` replicas (over the carriers, QUIC library
+    and datagram size asked for), and (with ``--relay``) the link that mirrors the holder's
     publications to the relay.
 
     Raises:
-        UnsupportedHolder: ``--relay`` is not a ``moqt://`` URI.
+        UnsupportedHolder: ``--relay`` is not a MOQT URI, or a QMux carrier while
+            ``--moqt-carriers off``.
     """
 
     def __init__(self, args: argparse.Namespace, token: str | None) -> None:
         relay, cafile = getattr(args, "relay", None), getattr(args, "relay_cafile", None)
         self.token = token
         self.cafile = None if cafile is None else str(cafile)
-        self.policy = CarrierPolicy(trusted_network=bool(getattr(args, "trusted_network", False)))
+        self.policy = CarrierPolicy(
+            qmux=getattr(args, "moqt_carriers", "on") != "off",
+            trusted_network=bool(getattr(args, "trusted_network", False)),
+        )
+        self.backend: str | None = getattr(args, "moqt_backend", None)
+        self.transport = relay_transport(args)
         self.link: RelayLink | None = None
         if relay is not None:
             config = RelayLinkConfig(
                 url=relay,
                 token=token,
                 cafile=self.cafile,
+                backend=self.backend,
+                transport=self.transport,
+                qmux=self.policy.qmux,
                 trusted_network=self.policy.trusted_network,
             )
             self.link = RelayLink(config, MemoryBlocks())
-        log.info("MOQT over QUIC: %s", transport_banner())
+        log.info("MOQT over QUIC: %s", transport_banner(self.backend, self.transport))
+        if not self.policy.qmux:
+            log.info("MOQT over QMux: off (--moqt-carriers off)")
 
     def moqt_client(self) -> MoqtBlockClient:
         """The client :class:`~kvsp.transfer.block_client.BlockClient` hands ``moqt://``
         replicas to (over the fastest carrier each record offers)."""
-        return MoqtBlockClient(cafile=self.cafile, auth_token=self.token, policy=self.policy)
+        return MoqtBlockClient(
+            cafile=self.cafile,
+            auth_token=self.token,
+            backend=self.backend,
+            transport=self.transport,
+            policy=self.policy,
+        )
 
     def index(self, index: ReplicaIndex) -> ReplicaIndex:
         """The index the holder publishes through: mirrored to the relay with ``--relay``."""
@@ -364,4 +440,6 @@ __all__ = [
     "RelayLink",
     "RelayLinkConfig",
     "add_relay_arguments",
+    "datagram_size",
+    "relay_transport",
 ]

@@ -46,7 +46,10 @@ class ServeConfig:
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket bound to ``(host, port)``; port 0 picks an ephemeral port."""
     family = socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio's own loop disables Nagle (TCP_NODELAY) only on
+    # accepted sockets whose proto says TCP. Without it a keep-alive answer written as head
+    # then body waits ~40 ms for the client's delayed ACK (uvloop sets it either way).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

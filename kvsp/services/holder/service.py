@@ -11,6 +11,11 @@ and relays; the HTTP shell is :mod:`kvsp.services.holder.app`. Choices the spec 
   sub-range, which it serves (ranges it lacks answer ``kvsp-layers-unavailable``) but does not
   publish: a Replica Record's ``digest`` covers every layer (§4.3), which a holder of some
   layers cannot know, and a record with any other value would mislead clients.
+* Every stored block's layer digests and Repr-Digest are computed by hashing its octets,
+  except for a block its client verified against the producer's record (§6.7): an instance
+  keeping a block it fetched hands it over as it was verified (:meth:`Holder.put_verified`,
+  or :meth:`Holder.put_block` with ``verified``, which compares the octets with it), and the
+  record's layer digests are taken; only the Repr-Digest is hashed.
 * A PUT that could be stored only by evicting leased blocks fails with 507
   ``kvsp-insufficient-storage``; nothing is evicted.
 * Records are refreshed once a third of their granted TTL has passed, and withdrawn on
@@ -28,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.container import Geometry, decode_container, header_size
@@ -55,10 +60,16 @@ from kvsp.stores.blocks import (
     StoreConfig,
     StoredBlock,
     Victim,
+    container_octets,
     describe_block,
+    describe_verified,
+    verified_meta,
 )
 from kvsp.web.auth import Principal, require_scope
 from kvsp.web.clock import Clock
+
+if TYPE_CHECKING:  # an annotation only: a holder alone does not load the client side
+    from kvsp.transfer.verify import VerifiedBlock
 
 _log = logging.getLogger("kvsp.holder")
 P = ParamSpec("P")
@@ -352,34 +363,96 @@ class Holder:
         data: bytes,
         *,
         expected_digest: bytes | None = None,
+        publish: bool = True,
+        verified: VerifiedBlock | None = None,
     ) -> StoredBlock:
         """Verify and store a container, then publish its record (§6.7, §6.1).
 
         ``expected_digest`` is the SHA-256 from the request's Repr-Digest or Content-Digest.
+        With ``publish=False`` the caller publishes the record itself, with others in one
+        request (:meth:`publish_blocks`); the refresh loop publishes it otherwise.
+        ``verified`` is the block ``data`` encodes, as a client verified it against the
+        producer's record: its layer digests are taken from that record, and ``data`` is
+        compared with the block instead of hashed again (:func:`describe_verified`).
 
         Raises:
             Forbidden, PreconditionFailed, Incompatible: as :meth:`check_put`; Incompatible
                 also for a token count other than the descriptor's ``block_tokens``.
             ContainerError: not a container of the descriptor's geometry (§4.3).
-            DigestMismatch: ``expected_digest`` differs (nothing is stored).
+            DigestMismatch: ``expected_digest`` differs, or ``data`` is not ``verified``'s
+                encoding (nothing is stored).
             InsufficientStorage: no room without evicting leased blocks (507).
         """
         ref = BlockRef(compat, scope, key)
         descriptor = self.check_put(principal, ref)
-        meta = await _describe(ref, memoryview(data), Geometry.from_descriptor(descriptor))
+        geometry = Geometry.from_descriptor(descriptor)
+        digests = None if verified is None else _verified_digests(ref, verified, geometry)
+        if verified is not None and digests is not None:
+            view = memoryview(data)
+            meta = await _offload(
+                view.nbytes, describe_verified, ref, view, geometry, verified, digests
+            )
+        else:
+            meta = await _describe(ref, memoryview(data), geometry)
+        if expected_digest is not None and expected_digest != meta.repr_digest:
+            raise DigestMismatch("the body does not match its Repr-Digest", path="Repr-Digest")
+        return await self._keep(descriptor, meta, data, publish)
+
+    async def put_verified(
+        self,
+        principal: Principal,
+        compat: CompatId,
+        scope: ScopeId,
+        key: BlockKey,
+        block: VerifiedBlock,
+        *,
+        publish: bool = True,
+    ) -> StoredBlock:
+        """Store a block a client verified (§6.7) and publish its record (§6.1), as
+        :meth:`put_block` with ``verified``: the octets are the block's encoding, taken here (the
+        received buffer itself when the layers lie in it in order, :func:`container_octets`),
+        so nothing is compared, and only the Repr-Digest is hashed when the block was checked
+        against the producer's record (:func:`verified_meta`); otherwise it is hashed as any
+        body.
+
+        Raises:
+            as :meth:`put_block`.
+        """
+        ref = BlockRef(compat, scope, key)
+        descriptor = self.check_put(principal, ref)
+        geometry = Geometry.from_descriptor(descriptor)
+        digests = _verified_digests(ref, block, geometry)
+        data = container_octets(block)
+        if digests is None:
+            meta = await _describe(ref, memoryview(data), geometry)
+        else:
+            meta = await _offload(len(data), verified_meta, ref, data, block, geometry, digests)
+        return await self._keep(descriptor, meta, data, publish)
+
+    async def _keep(
+        self, descriptor: CompatibilityDescriptor, meta: BlockMeta, data: bytes, publish: bool
+    ) -> StoredBlock:
         if meta.token_count != descriptor.block_tokens:
             raise Incompatible(
                 f"container holds {meta.token_count} tokens; a block holds "
                 f"{descriptor.block_tokens} (block_tokens)"
             )
-        if expected_digest is not None and expected_digest != meta.repr_digest:
-            raise DigestMismatch("the body does not match its Repr-Digest", path="Repr-Digest")
         async with self._admitting:
-            if ref in self.store:  # a concurrent PUT of the same key won
+            if meta.ref in self.store:  # a concurrent PUT of the same key won
                 raise PreconditionFailed("this holder already has a replica for the key")
             block = await self._admit(meta, memoryview(data))
-        await self._publish(block)
+        if publish:
+            await self._publish(block)
         return block
+
+    async def publish_blocks(self, blocks: Sequence[StoredBlock]) -> int:
+        """Publish the records of held blocks in as few IS requests as the batch limit allows
+        (``POST replicas``); returns how many were published. Failures are logged, and the
+        refresh loop publishes those blocks later."""
+        count = 0
+        for start in range(0, len(blocks), REFRESH_BATCH):
+            count += await self._publish_batch(blocks[start : start + REFRESH_BATCH])
+        return count
 
     async def _admit(self, meta: BlockMeta, data: memoryview) -> StoredBlock:
         for _ in range(ADMISSION_ATTEMPTS):
@@ -531,6 +604,25 @@ def _range_parts(data: memoryview, first: int, last: int) -> tuple[bytes, memory
         start += layer.k.nbytes + layer.v.nbytes
     length = sum(layer.k.nbytes + layer.v.nbytes for layer in selected.layers)
     return selected.header_bytes, data[start : start + length]
+
+
+def _verified_digests(
+    ref: BlockRef, verified: VerifiedBlock, geometry: Geometry
+) -> tuple[bytes, ...] | None:
+    """The layer digests of ``verified``'s layers from the complete replica's record it was
+    checked against, or None when it was not so checked (a transcoded block, another key, a
+    record without layer digests)."""
+    record = verified.record
+    digests = record.layer_digests
+    if (
+        not verified.producer_verified
+        or digests is None
+        or len(digests) != geometry.layers
+        or (record.compat_id, record.scope_id, record.block_key) != tuple(ref)
+    ):
+        return None
+    first = verified.first_layer
+    return digests[first : first + verified.layer_count]
 
 
 def _grant_of(lease: Lease, ttl_ms: int, keys: Sequence[BlockKey]) -> LeaseGrant:

@@ -6,7 +6,9 @@ Routes (relative to the instance's base URL):
 ======  ============================ ==========================================================
 POST    ``prefetch``                  §6.5 directive → 202, ``Location: prefetch/{directive}``,
                                       body the directive's status (role ``pc``)
-GET     ``prefetch/{directive}``      ``{"directive", "state", "loaded": [hex32...], "detail"?}``
+GET     ``prefetch/{directive}``      ``{"directive", "state", "loaded": [hex32...], "detail"?}``;
+                                      ``?wait_ms=N`` (up to 60000) answers once the directive
+                                      stopped or after N ms, whichever is first (a long poll)
 PUT     ``state``                     ``{"state": "active"|"draining"|"sleeping"}`` from the PC
                                       → 200 ``{"state": now}``; 409 for a move §6.3 forbids
 POST    ``generate``                  ``{"prompt": [uint32...], "max_tokens": n, "scope_key"?:
@@ -75,7 +77,13 @@ from kvsp.services.instance.sessions import InstanceSessions, LiveSession, Sessi
 from kvsp.stores.descriptors import DescriptorRegistry, read_descriptor_file
 from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments
 from kvsp.web.auth import Principals, principal_of, require_role, require_scope
-from kvsp.web.cliargs import load_principals, parse_size, positive_int, serve_config
+from kvsp.web.cliargs import (
+    load_principals,
+    parse_size,
+    positive_int,
+    positive_size,
+    serve_config,
+)
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import install_operations, read_json
 from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
@@ -166,6 +174,9 @@ class _InstanceEndpoints:
         directive = read_uuid(request.path_params["directive"], "directive")
         progress = self.agent.directives.get(directive)
         require_scope(principal, progress.directive.scope_id)
+        wait = request.query_params.get("wait_ms")
+        if wait is not None:
+            await self.agent.wait_directive(progress, _wait_ms(wait) / 1000)
         return kvsp_json(progress.status().to_json())
 
     async def put_state(self, request: Request) -> Response:
@@ -334,6 +345,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--status-ttl-ms", type=positive_int, default=d.status_ttl_ms, metavar="MS")
     add("--batch-size", type=positive_int, default=d.batch_size, metavar="N")
     add("--prefetch-concurrency", type=positive_int, default=d.prefetch_concurrency)
+    add("--prefetch-window", type=positive_int, default=d.prefetch_window, metavar="N")
+    add(
+        "--prefetch-pipeline",
+        choices=["on", "off"],
+        default="on" if d.pipeline else "off",
+        help="on: batched leases and publications, transfers overlapped (default); off: one "
+        "block after another, each with its own lease and publication",
+    )
+    add(
+        "--pipeline-transfers",
+        type=positive_int,
+        default=d.pipeline_transfers,
+        metavar="N",
+        help=f"with the pipeline: block transfers at once (default {d.pipeline_transfers})",
+    )
+    add(
+        "--pipeline-octets",
+        type=positive_size,
+        default=d.pipeline_octets,
+        metavar="SIZE",
+        help="with the pipeline: most octets of blocks in transfer at once (default 8MiB)",
+    )
     add("--sleep-threshold", type=float, metavar="LOAD", help="ask to sleep below this load")
     add("--sleep-after-ms", type=positive_int, default=d.sleep_after_ms, metavar="MS")
     add("--record-ttl-ms", type=positive_int, default=600_000, metavar="MS")
@@ -436,6 +469,21 @@ def _scope_keys(paths: list[Path]) -> dict[bytes, bytes]:
     return keys
 
 
+MAX_WAIT_MS = 60_000
+"""The longest ``GET prefetch/{directive}?wait_ms=`` holds the request."""
+
+
+def _wait_ms(text: str) -> int:
+    """The ``wait_ms`` query parameter: 0 to :data:`MAX_WAIT_MS` in ASCII digits.
+
+    Raises:
+        BadRequest: anything else.
+    """
+    if not (text.isascii() and text.isdigit() and len(text) <= 6) or int(text) > MAX_WAIT_MS:
+        raise BadRequest(f"wait_ms must be 0 to {MAX_WAIT_MS}, got {text[:20]!r}", path="wait_ms")
+    return int(text)
+
+
 def instance_config(args: argparse.Namespace) -> InstanceConfig:
     """The :class:`InstanceConfig` the options describe.
 
@@ -449,6 +497,10 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
         status_ttl_ms=args.status_ttl_ms,
         batch_size=args.batch_size,
         prefetch_concurrency=args.prefetch_concurrency,
+        prefetch_window=args.prefetch_window,
+        pipeline=args.prefetch_pipeline == "on",
+        pipeline_transfers=args.pipeline_transfers,
+        pipeline_octets=args.pipeline_octets,
         sleep_threshold=args.sleep_threshold,
         sleep_after_ms=args.sleep_after_ms,
         state_dir=args.state,

@@ -14,11 +14,21 @@ is the HTTP shell. Choices the spec leaves open:
   waiting for one of ``batch_size`` engine slots; ``links`` are measured per source holder
   (rate from the octets and seconds of recent verified GETs, RTT from the lease round trips).
 * **Prefetch** (§6.5): the directive's records come from one IS lookup (they carry the digests
-  to verify against). Blocks load in prefix order, ``prefetch_concurrency`` transfers at once;
-  each takes a lease at a source, GETs and verifies the block (hashing in worker threads),
-  releases the lease, then keeps it in the engine and in the holder's tiers (which publishes
-  its replica). One load per key at a time: directives for overlapping keys share it, and it
-  is cancelled only when no directive waits for it any more.
+  to verify against). Blocks load in prefix order. Block after block (``pipeline=False``,
+  ``prefetch_concurrency`` transfers at once) each takes a lease at a source, GETs and
+  verifies the block (hashing in worker threads), releases the lease, then keeps it in the
+  engine and in the holder's tiers (which publishes its replica). One load per key at a
+  time: directives for overlapping keys share it, and it is cancelled only when no directive
+  waits for it any more. As a pipeline (the default,
+  ``InstanceConfig.pipeline``) a directive keeps up to ``pipeline_window`` blocks in flight,
+  started by halves, with up to ``pipeline_transfers`` transfers (``pipeline_octets`` of
+  blocks) at once; the blocks of a half take their leases at a source in one request and
+  publish their replicas in batches (:mod:`kvsp.services.instance.pipeline`), and a block is
+  placed while the next ones transfer; the holder keeps a verified block with the digests it
+  was verified against (:meth:`~kvsp.services.holder.Holder.put_verified`, no second hash). A
+  block counts as loaded once its record's batch was answered, and ``GET prefetch/{id}
+  ?wait_ms=`` may wait for the directive to stop (:meth:`InstanceAgent.wait_directive`).
+  ``pipeline=False`` is kept as an operator choice and as the baseline to measure against.
 * **Generation**: the prompt's Block Keys use the request's scope key or a configured one;
   every leading block held by the engine or the holder (or still loading for a directive) is
   used, the rest recomputed, and the computed blocks are kept and published. Sessions that
@@ -34,6 +44,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +79,8 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.holder import Holder
-from kvsp.stores.blocks import BlockRef
+from kvsp.services.instance.pipeline import LeaseBatcher, ReplicaBatcher, TransferBudget
+from kvsp.stores.blocks import BlockRef, StoredBlock
 from kvsp.transfer.block_client import BlockClient, source_base
 from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.auth import Principal
@@ -142,9 +154,21 @@ class InstanceConfig:
     max_tokens: int = 4096
     max_prompt_tokens: int = 1 << 20
     prefetch_concurrency: int = 4
-    """Block transfers in flight at once, over all directives."""
+    """Without the pipeline: block transfers in flight at once, over all directives."""
     prefetch_window: int = 8
     """Blocks of one directive started ahead of the prefix being completed."""
+    pipeline: bool = True
+    """Run directives as a pipeline (leases and publications batched, transfers overlapped
+    with placing); ``False`` keeps the block-at-a-time path (one lease, GET, release and
+    publication per block), for comparison."""
+    pipeline_window: int = 64
+    """Pipeline: blocks of one directive in flight (leased, transferring or being placed);
+    refilled once half of them are done, so that a lease request lists about half."""
+    pipeline_transfers: int = 32
+    """Pipeline: block transfers at once, over all directives (small blocks: many FETCHes
+    in flight on one MOQT session, or GETs on the bulk client's connections)..."""
+    pipeline_octets: int = 8 << 20
+    """... and at most these octets of blocks in flight (large blocks: a few at once)."""
     sleep_threshold: float | None = None
     """Ask to sleep when ``running + queued`` stayed below this (``None``: never ask)."""
     sleep_after_ms: int = 300_000
@@ -246,7 +270,9 @@ class InstanceAgent:
         self._low_since_ms: int | None = None
         self._slots = asyncio.Semaphore(config.batch_size)
         self._transfers = asyncio.Semaphore(config.prefetch_concurrency)
+        self._pipe_transfers = TransferBudget(config.pipeline_transfers, config.pipeline_octets)
         self._loads: dict[BlockRef, _KeyLoad] = {}
+        self._stopped: dict[uuid.UUID, asyncio.Event] = {}  # directive id → set once it stops
         self._tasks: set[asyncio.Task[object]] = set()
         self._status_task: asyncio.Task[None] | None = None
         self._status_wake = asyncio.Event()
@@ -254,6 +280,10 @@ class InstanceAgent:
         self._public_url: str | None = None
         self._principal = Principal(name="instance", roles=frozenset({"instance"}), scopes=None)
         self._failure_listeners: list[Callable[[], None]] = []
+        self.leases = LeaseBatcher(block_client, self.links)
+        self.replicas = ReplicaBatcher(
+            holder, self._spawn, max_batch=max(1, config.pipeline_window // 2)
+        )
         if config.public_url is not None:
             self.set_public_url(config.public_url)
 
@@ -315,6 +345,13 @@ class InstanceAgent:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        loads = [load.task for load in self._loads.values()]
+        for load_task in loads:  # their lease shares go back as they stop
+            load_task.cancel()
+        for load_task in loads:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await load_task
+        await self.leases.aclose()
         for progress in self.directives.pending():
             progress.abort("the instance is shutting down")
         await self.holder.close()
@@ -590,15 +627,29 @@ class InstanceAgent:
             raise Incompatible("the directive's compat_id is not this instance's", path="$")
         progress, new = self.directives.add(directive, self.clock.now_ms())
         if new:
+            self._stopped[directive.directive] = asyncio.Event()
             self._spawn(self._run_directive(progress), f"kvsp-directive-{directive.directive}")
         return progress
 
-    async def wait_directive(self, progress: DirectiveProgress) -> None:
-        """Wait until the directive has stopped (for tests and orderly shutdown)."""
-        while not progress.final:
-            await asyncio.sleep(0.005)
+    async def wait_directive(
+        self, progress: DirectiveProgress, timeout: float | None = None
+    ) -> None:
+        """Wait until the directive has stopped, or ``timeout`` seconds (None: no limit)."""
+        stopped = self._stopped.get(progress.directive.directive)
+        if progress.final or stopped is None:  # None: its run has ended
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), timeout)
 
     async def _run_directive(self, progress: DirectiveProgress) -> None:
+        try:
+            await self._directive(progress)
+        finally:
+            stopped = self._stopped.pop(progress.directive.directive, None)
+            if stopped is not None:
+                stopped.set()
+
+    async def _directive(self, progress: DirectiveProgress) -> None:
         d = progress.directive
         while not progress.final:  # blocks already held count at once
             key = progress.keys[progress.next_index]
@@ -609,7 +660,10 @@ class InstanceAgent:
             return
         try:
             async with asyncio.timeout(progress.remaining_ms(self.clock.now_ms()) / 1000):
-                await self._load_directive(progress)
+                if self.config.pipeline:
+                    await self._pipeline_directive(progress)
+                else:
+                    await self._load_directive(progress)
         except TimeoutError:
             progress.expire(max(self.clock.now_ms(), progress.deadline_at_ms))
         except Exception:
@@ -641,11 +695,57 @@ class InstanceAgent:
             for _, load in window:
                 self._drop(load)
 
+    async def _pipeline_directive(self, progress: DirectiveProgress) -> None:
+        """Load the directive's blocks with up to ``pipeline_window`` in flight, started by
+        halves (so that each half's leases go in one request per source), and report them in
+        prefix order as they complete."""
+        d = progress.directive
+        size = max(1, self.config.pipeline_window)
+        upcoming = progress.next_index
+        # The first blocks' records come in a small lookup, so that their transfers start
+        # while the IS answers (and the instance decodes) the lookup of the rest.
+        limit = min(len(d.blocks), upcoming + max(1, size // 4))
+        rest = asyncio.ensure_future(self._records(d, limit))
+        window: deque[tuple[BlockKey, _KeyLoad | None]] = deque()
+        try:
+            records = await self._records(d, upcoming, limit)
+            while not progress.final:
+                if limit < len(d.blocks) and rest.done():
+                    records.update(rest.result())
+                    limit = len(d.blocks)
+                if len(window) <= size // 2:
+                    while upcoming < limit and len(window) < size:
+                        block = d.blocks[upcoming]
+                        upcoming += 1
+                        ref = BlockRef(d.compat_id, d.scope_id, block.block_key)
+                        held = self.holds(ref)
+                        load = None if held else self._ticket(ref, block, records, d, pipe=True)
+                        window.append((block.block_key, load))
+                if not window:  # every block with records so far is done: wait for the rest
+                    if limit >= len(d.blocks):
+                        break
+                    records.update(await rest)
+                    limit = len(d.blocks)
+                    continue
+                key, load = window[0]
+                ok, why = (True, "") if load is None else await self._outcome(load)
+                self._drop(window.popleft()[1])
+                if ok:
+                    progress.block_loaded(key)
+                else:
+                    progress.block_failed(key, why)
+                progress.expire(self.clock.now_ms())
+        finally:
+            rest.cancel()
+            for _, load in window:
+                self._drop(load)
+
     async def _records(
-        self, d: PrefetchDirective, start: int
+        self, d: PrefetchDirective, start: int, stop: int | None = None
     ) -> dict[tuple[BlockKey, str], ReplicaRecord]:
-        """The Replica Records of the directive's blocks by (key, holder base), from the IS."""
-        keys = tuple(b.block_key for b in d.blocks[start:])
+        """The Replica Records of the directive's blocks ``start..stop`` by (key, holder
+        base), from the IS."""
+        keys = tuple(b.block_key for b in d.blocks[start:stop])
         out: dict[tuple[BlockKey, str], ReplicaRecord] = {}
         for first in range(0, len(keys), LOOKUP_CHUNK):
             chunk = keys[first : first + LOOKUP_CHUNK]
@@ -669,10 +769,13 @@ class InstanceAgent:
         block: DirectiveBlock,
         records: Mapping[tuple[BlockKey, str], ReplicaRecord],
         d: PrefetchDirective,
+        *,
+        pipe: bool = False,
     ) -> _KeyLoad:
         load = self._loads.get(ref)
         if load is None:
-            task = asyncio.create_task(self._load_block(ref, block.sources, records, d.lease_ms))
+            run = self._pipe_block if pipe else self._load_block
+            task = asyncio.create_task(run(ref, block.sources, records, d.lease_ms))
             load = _KeyLoad(task)
             self._loads[ref] = load
             self.loads_started += 1
@@ -728,6 +831,75 @@ class InstanceAgent:
                 break
         return False, "; ".join(reasons) or "no sources"
 
+    async def _pipe_block(
+        self,
+        ref: BlockRef,
+        sources: Sequence[str],
+        records: Mapping[tuple[BlockKey, str], ReplicaRecord],
+        lease_ms: int,
+    ) -> tuple[bool, str]:
+        """Load one block from the first source that delivers it verified, as a stage of the
+        pipeline: a share of a batched lease, the transfer (within ``pipeline_transfers`` and
+        ``pipeline_octets``),
+        then placing it, while other blocks transfer; its record is published in a batch."""
+        self.replicas.expect()
+        expected = True  # until the record is handed to the batcher (or the block given up)
+        try:
+            reasons = []
+            for source in sources:
+                base = _base(source)
+                record = records.get((ref.key, base))
+                if record is None:
+                    reasons.append(f"{base}: no replica record")
+                    continue
+                lease_at = _base(record.lease_base or base)
+                try:
+                    hold = await self.leases.acquire(lease_at, base, ref, record.size, lease_ms)
+                except KVSPError as exc:
+                    reasons.append(f"{base}: {exc.problem}")
+                    continue
+                try:
+                    async with self._pipe_transfers.take(record.size):
+                        began = time.perf_counter()
+                        block = await self.block_client.get_block(
+                            base, record, geometry=self.geometry
+                        )
+                        octets = sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
+                        self.links.record_transfer(base, octets, time.perf_counter() - began)
+                except KVSPError as exc:
+                    reasons.append(f"{base}: {exc.problem}")
+                    continue
+                finally:
+                    hold.release()
+                held = self.engine.hold(ref.key, block)
+                stored = await self._keep(ref, block)
+                if stored is None:
+                    if held:
+                        return True, ""
+                    reasons.append("no room to keep it")
+                    break
+                expected = False
+                if isinstance(stored, StoredBlock):  # published with the blocks stored meanwhile
+                    await self.replicas.add(stored, expected=True)
+                else:
+                    self.replicas.forget()  # held already
+                return True, ""
+            return False, "; ".join(reasons) or "no sources"
+        finally:
+            if expected:
+                self.replicas.forget()
+
+    async def _keep(self, ref: BlockRef, block: VerifiedBlock) -> StoredBlock | bool | None:
+        """Store a verified block in the holder's tiers without publishing it: the stored
+        block, True when the holder has it already, None when it could not keep it."""
+        try:
+            return await self.holder.put_verified(self._principal, *ref, block, publish=False)
+        except PreconditionFailed:
+            return True
+        except KVSPError as exc:
+            _log.warning("keeping block %s failed: %s", ref, exc)
+            return None
+
     async def _fetch(
         self, ref: BlockRef, base: str, record: ReplicaRecord, lease_ms: int
     ) -> VerifiedBlock:
@@ -753,10 +925,9 @@ class InstanceAgent:
                 _log.debug("releasing lease %s at %s: %s", grant.lease, lease_at, exc)
 
     async def _place(self, ref: BlockRef, block: VerifiedBlock) -> bool:
-        """Keep a verified block in the engine and in the holder's tiers (publishing it)."""
+        """Keep a verified block in the engine and in the holder's tiers, publishing it."""
         held = self.engine.hold(ref.key, block)
-        stored = await self._store(ref, _octets(block))
-        return held or stored
+        return await self._store(ref, _octets(block)) or held
 
 
 def _octets(block: Container) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -532,3 +533,102 @@ def test_leasing_a_block_not_held_is_not_found() -> None:
         lease(holder, 1, 5)
     assert exc.value.path == "$.block_keys[1]"
     assert not holder.is_leased(ref(1))
+
+
+# -- storing a block a client verified (put_block verified=, put_verified) ----------------------
+
+
+def verified_block(n: int, *, producer: bool = True, seed: int | None = None) -> Any:
+    """Block ``n`` as a client verified it against its producer's record (or, with ``seed``,
+    a block of other octets claiming that record)."""
+    from kvsp.transfer.verify import VerifiedBlock
+
+    record_source = make_holder()
+    put(record_source, n)
+    stored = record_source.store.get(ref(n))
+    assert stored is not None
+    record = record_source.record_of(stored)
+    decoded = decode_container(container(n if seed is None else seed), GEOMETRY)
+    return VerifiedBlock(
+        version=decoded.version,
+        flags=decoded.flags,
+        codec=decoded.codec,
+        first_layer=decoded.first_layer,
+        layer_count=decoded.layer_count,
+        token_count=decoded.token_count,
+        layers=decoded.layers,
+        record=record,
+        source=URL,
+        producer_verified=producer,
+    )
+
+
+def test_a_verified_block_is_stored_with_the_digests_it_was_verified_against() -> None:
+    holder = make_holder()
+    verified = verified_block(1)
+    stored = run(holder.put_verified(ALICE, COMPAT, SCOPE, key(1), verified, publish=False))
+    again = run(holder.put_block(ALICE, COMPAT, SCOPE, key(2), container(1), verified=verified))
+    hashed = make_holder()
+    put(hashed, 1)
+    reference = hashed.store.get(ref(1))
+    assert reference is not None
+    for meta in (stored.meta, again.meta):
+        assert meta.layer_digests == reference.meta.layer_digests
+        assert meta.digest == reference.meta.digest == verified.record.digest
+        assert meta.repr_digest == hashlib.sha256(container(1)).digest()
+    assert bytes(holder.store.read(stored)) == container(1)
+
+
+def test_octets_that_are_not_the_verified_block_are_refused() -> None:
+    holder = make_holder()
+    verified = verified_block(1)
+    with pytest.raises(DigestMismatch, match="not the verified block"):
+        run(holder.put_block(ALICE, COMPAT, SCOPE, key(1), container(2), verified=verified))
+    assert len(holder.store) == 0
+    # the octets of the record's block, but not those of the block said to be verified
+    forged = verified_block(1, seed=3)
+    with pytest.raises(DigestMismatch):
+        run(holder.put_block(ALICE, COMPAT, SCOPE, key(1), container(1), verified=forged))
+    assert len(holder.store) == 0
+    # another key's record lends no digests: the octets are hashed as any body
+    stored = run(holder.put_block(ALICE, COMPAT, SCOPE, key(2), container(3), verified=verified))
+    assert stored.meta.layer_digests == tuple(decode_container(container(3)).layer_digests())
+
+
+def test_a_block_not_checked_against_its_producer_is_hashed() -> None:
+    holder = make_holder()
+    unchecked = verified_block(1, producer=False, seed=4)
+    stored = run(holder.put_verified(ALICE, COMPAT, SCOPE, key(1), unchecked))
+    assert stored.meta.layer_digests == tuple(decode_container(container(4)).layer_digests())
+
+
+def test_a_received_container_is_kept_in_its_buffer_only_when_laid_out_as_encoded() -> None:
+    from kvsp.engine.toy import toy_descriptor
+    from kvsp.stores.blocks import IN_PLACE_FROM, container_octets
+
+    descriptor = toy_descriptor(
+        layers=8, kv_heads=8, head_dim=128, kv_dtype="fp16", block_tokens=16
+    )
+    geometry = Geometry.from_descriptor(descriptor)
+    section = geometry.section_length(16)
+    pairs = [(bytes([i]) * section, bytes([i, 1]) * (section // 2)) for i in range(8)]
+    body = bytearray(encode_container(pairs, first_layer=0, token_count=16, geometry=geometry))
+    assert len(body) >= IN_PLACE_FROM
+    decoded = decode_container(memoryview(body), geometry)
+    assert id(container_octets(decoded)) == id(body)  # the received buffer itself, uncopied
+    # the same octets, but the first two layers' views swapped: not the encoding's layout
+    swapped = type(decoded)(
+        version=decoded.version,
+        flags=decoded.flags,
+        codec=decoded.codec,
+        first_layer=decoded.first_layer,
+        layer_count=decoded.layer_count,
+        token_count=decoded.token_count,
+        layers=(
+            replace(decoded.layers[0], k=decoded.layers[1].k, v=decoded.layers[1].v),
+            replace(decoded.layers[1], k=decoded.layers[0].k, v=decoded.layers[0].v),
+            *decoded.layers[2:],
+        ),
+    )
+    octets = container_octets(swapped)
+    assert id(octets) != id(body) and octets == swapped.encode() != bytes(body)

@@ -571,7 +571,7 @@ def test_deadline_gives_a_partial_prefix_and_generate_recomputes_the_rest(
     client = CountingClient(TOKEN, clock, step_ms=2_000)  # each GET takes 2 s of clock
 
     async def scenario() -> None:
-        options = {"prefetch_concurrency": 1, "prefetch_window": 1}
+        options = {"prefetch_concurrency": 1, "prefetch_window": 1, "pipeline_window": 1}
         async with running_agent(tmp_path, clock, control, client=client, **options) as agent:
             directive = directive_for(keys, [[holders.normal.base_url]] * 6, deadline_ms=5_000)
             progress = agent.accept_directive(directive)

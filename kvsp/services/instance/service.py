@@ -683,17 +683,24 @@ class InstanceAgent:
                     ref = BlockRef(d.compat_id, d.scope_id, block.block_key)
                     load = None if self.holds(ref) else self._ticket(ref, block, records, d)
                     window.append((block.block_key, load))
-                key, load = window[0]
-                ok, why = (True, "") if load is None else await self._outcome(load)
-                self._drop(window.popleft()[1])
-                if ok:
-                    progress.block_loaded(key)
-                else:
-                    progress.block_failed(key, why)
-                progress.expire(self.clock.now_ms())
+                await self._settle_head(window, progress)
         finally:
             for _, load in window:
                 self._drop(load)
+
+    async def _settle_head(
+        self, window: deque[tuple[BlockKey, _KeyLoad | None]], progress: DirectiveProgress
+    ) -> None:
+        """Wait for the oldest block of the window and report it (blocks complete in prefix
+        order: a block is useless without every block before it)."""
+        key, load = window[0]
+        ok, why = (True, "") if load is None else await self._outcome(load)
+        self._drop(window.popleft()[1])
+        if ok:
+            progress.block_loaded(key)
+        else:
+            progress.block_failed(key, why)
+        progress.expire(self.clock.now_ms())
 
     async def _pipeline_directive(self, progress: DirectiveProgress) -> None:
         """Load the directive's blocks with up to ``pipeline_window`` in flight, started by
@@ -727,14 +734,7 @@ class InstanceAgent:
                     records.update(await rest)
                     limit = len(d.blocks)
                     continue
-                key, load = window[0]
-                ok, why = (True, "") if load is None else await self._outcome(load)
-                self._drop(window.popleft()[1])
-                if ok:
-                    progress.block_loaded(key)
-                else:
-                    progress.block_failed(key, why)
-                progress.expire(self.clock.now_ms())
+                await self._settle_head(window, progress)
         finally:
             rest.cancel()
             for _, load in window:

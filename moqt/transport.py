@@ -17,9 +17,9 @@ The glue is the QUIC library's own ``QuicConnectionProtocol`` (aioquic or qh3) s
 a session, and for qh3 a ``QuicServer`` that validates the client's address with Retry when its
 Initial datagram is padded outside the packet (see :mod:`moqt.backend`), listening on qh3's
 batched GRO/GSO datagram transport (one ``sendmsg`` for many datagrams, as qh3's own client
-does). Datagrams are read in batches and each connection transmits once per batch: aioquic's
-client and server on :mod:`moqt.udp_endpoint`'s endpoint, qh3's server taking its transport's
-batches (``datagrams_received``) the same way. Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of
+does). Datagrams are read in batches and each connection transmits once per batch on aioquic's
+client and server (:mod:`moqt.udp_endpoint`'s endpoint); qh3's server keeps its library's
+per-datagram dispatch. Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of
 ``TransportConfig.socket_buffer``.
 """
 
@@ -52,7 +52,7 @@ from .session_events import (
     RequestErrorReceived,
     SessionClosed,
 )
-from .udp_endpoint import TransmitBatch, aioquic_client, open_batched_endpoint
+from .udp_endpoint import aioquic_client, open_batched_endpoint
 from .wire import Bytes, KeyValuePair, as_byte_view
 
 T = TypeVar("T")
@@ -481,10 +481,8 @@ def quic_client(
 def quic_server_class(backend: Backend) -> type:
     """The backend's ``QuicServer``; for qh3 one that sends Retry to a client whose Initial
     datagram is padded outside its packets (aioquic's), so qh3's anti-amplification accounting
-    cannot stall the handshake (:mod:`moqt.backend`), and that takes its transport's batches
-    (``datagrams_received``: each datagram dispatched by connection ID, each connection
-    transmitting once per batch). aioquic's listens on :mod:`moqt.udp_endpoint`'s endpoint,
-    whose batch its connections defer to."""
+    cannot stall the handshake (:mod:`moqt.backend`). aioquic's listens on
+    :mod:`moqt.udp_endpoint`'s endpoint, whose batch its connections defer to."""
     base: Any = importlib.import_module(f"{backend.name}.asyncio.server").QuicServer
     if backend.name != "qh3":
         return cast(type, base)
@@ -499,24 +497,6 @@ def _qh3_retry_server(base: Any) -> type:
     def __init__(self: Any, **kwargs: Any) -> None:
         base.__init__(self, retry=True, **kwargs)
         self._moqt_retry = self._retry
-        batch = self._moqt_batch = TransmitBatch()
-        create = self._create_protocol
-
-        def create_protocol(*args: Any, **options: Any) -> Any:
-            protocol = create(*args, **options)
-            protocol._moqt_batch = batch
-            return protocol
-
-        self._create_protocol = create_protocol
-
-    def datagrams_received(self: Any, datagrams: list[bytes], addr: Any) -> None:
-        batch = self._moqt_batch
-        batch.begin()
-        try:
-            for data in datagrams:
-                self.datagram_received(data, addr)
-        finally:
-            batch.end()
 
     def datagram_received(self: Any, data: bytes, addr: Any) -> None:
         # qh3 consults ``_retry`` only for an Initial that opens a connection; a qh3 client
@@ -524,11 +504,7 @@ def _qh3_retry_server(base: Any) -> type:
         self._retry = self._moqt_retry if initial_padded_outside_packets(data) else None
         base.datagram_received(self, data, addr)
 
-    namespace = {
-        "__init__": __init__,
-        "datagram_received": datagram_received,
-        "datagrams_received": datagrams_received,
-    }
+    namespace = {"__init__": __init__, "datagram_received": datagram_received}
     cls = type("MOQTQuicServer_qh3", (base,), namespace)
     _PROTOCOLS["qh3-server"] = cls
     return cls

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,9 @@ RECEIVE_BATCH = 64
 """Datagrams read per wake-up at most; the rest wait for the next loop pass, so timers and
 other tasks (and the ACKs this batch owes) are not held back by a busy socket."""
 MAX_DATAGRAM = 65535  # the largest UDP payload
+
+
+log = logging.getLogger(__name__)
 
 
 class TransmitBatch:
@@ -53,21 +57,16 @@ class TransmitBatch:
         self._pending[protocol] = None
 
     def end(self) -> None:
-        """End the batch: every connection that received something transmits once.
-
-        Raises:
-            Exception: the first a transmit raised, after the others have transmitted.
-        """
+        """End the batch: every connection that received something transmits once. A
+        connection whose transmit fails (one the peer or the library already closed) is
+        logged and skipped: it must not stop the endpoint reading for the others."""
         self.open = False
         pending, self._pending = self._pending, {}
-        error: Exception | None = None
         for protocol in pending:
             try:
                 protocol.transmit()
-            except Exception as exc:  # the other connections still transmit
-                error = error or exc
-        if error is not None:
-            raise error
+            except Exception:  # noqa: BLE001 - one connection's failure is its own
+                log.debug("transmit after a batch failed", exc_info=True)
 
 
 class BatchedDatagramTransport(asyncio.DatagramTransport):

@@ -20,6 +20,7 @@ import pytest
 
 from kvsp.web.auth import Principals, principal_entry
 from moqt.asyncio import RequestRejected, SessionClosedError
+from moqt.backend import default_backend
 from moqt.certs import make_self_signed
 from moqt.errors import RequestErrorCode, SessionError
 from moqt.messages import AuthToken, MessageParameters, TokenAliasType
@@ -122,6 +123,10 @@ async def attempt(connection: object, op: str, side: str, parameters: MessagePar
 
 
 OPS = ("fetch", "subscribe", "subscribe_namespace", "publish_namespace", "publish")
+SAME = default_backend()
+"""The relay's QUIC library: an aioquic client against a qh3 relay stalls now and then on one
+of this test's ~280 requests (a known interop issue, noted for follow-up), which is not what
+this test is about."""
 
 
 def test_roles_scopes_and_request_tokens(certs: Certs) -> None:
@@ -130,7 +135,9 @@ def test_roles_scopes_and_request_tokens(certs: Certs) -> None:
         namespaces = [b.namespace[:4] for b in BLOCKS.values()]
         async with (
             running_relay(relay_config(certs, principals=principals())) as relay,
-            publishing(relay.url, certs, tracks, namespaces, token=token("root")) as pub,
+            publishing(
+                relay.url, certs, tracks, namespaces, token=token("root"), backend=SAME
+            ) as pub,
         ):
             pub.release.set()
             failures = []
@@ -140,7 +147,7 @@ def test_roles_scopes_and_request_tokens(certs: Certs) -> None:
                     (token(role), MessageParameters()),
                     (token("root"), request_token(role)),
                 ):
-                    async with client(relay.url, certs, token=session_token) as conn:
+                    async with client(relay.url, certs, token=session_token, backend=SAME) as conn:
                         for side in SCOPES:
                             for op in OPS:
                                 got = await attempt(conn, op, side, params)
@@ -150,7 +157,7 @@ def test_roles_scopes_and_request_tokens(certs: Certs) -> None:
                                     failures.append(f"{role} {via} {op} {side}: {got}, not {want}")
             assert not failures, "\n".join(failures)
             # reading a block in its own scope delivers its layers
-            async with client(relay.url, certs, token=token("client")) as conn:
+            async with client(relay.url, certs, token=token("client"), backend=SAME) as conn:
                 objects = await fetch_all(conn, BLOCKS["own"].track, 4)
                 assert [bytes(o.payload) for o in objects] == list(BLOCKS["own"].layers)
 

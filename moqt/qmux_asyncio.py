@@ -122,18 +122,25 @@ def server_ssl_context(certificate: str, private_key: str) -> ssl.SSLContext:
     return context
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine: a loopback address or ``localhost``."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def require_loopback(host: str, trusted_network: bool) -> None:
     """Refuse plain TCP on an address that is not loopback, unless ``trusted_network``.
 
     Raises:
         ValueError: ``host`` is not a loopback address (or "localhost").
     """
-    if trusted_network or host == "localhost":
+    if trusted_network:
         return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
+    loopback = is_loopback(host)
     if not loopback:
         raise ValueError(
             f"plain TCP on {host!r} would carry MOQT unprotected off this host: use TLS, "

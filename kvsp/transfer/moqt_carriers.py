@@ -25,7 +25,6 @@ connection, never the transfer.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import stat
 from collections.abc import Sequence
@@ -35,18 +34,7 @@ from kvsp.errors import UnsupportedHolder
 from kvsp.transfer.moqt_transfer import MoqtAddress, parse_moqt_uri
 from moqt.asyncio import MOQTConnection, connect
 from moqt.backend import TransportConfig, default_backend, get_backend
-
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine (a loopback address or ``localhost``)."""
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from moqt.qmux_asyncio import is_loopback
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

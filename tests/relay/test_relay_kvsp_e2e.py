@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import httpx
@@ -34,8 +33,9 @@ from kvsp.services.index.client import IndexClient
 from kvsp.transfer.block_client import BlockClient
 from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.web.auth import principal_entry, write_principals
-from kvsp.web.testing import RunningService, start_process
+from kvsp.web.testing import RunningService
 from tests.support.polling import eventually
+from tests.support.services import Services
 
 pytestmark = pytest.mark.timeout(120)
 ADMIN = "e2e-admin-token-0123456789abcdef0123"
@@ -78,17 +78,8 @@ def test_a_block_published_into_the_relay_outlives_its_publisher(tmp_path: Path)
     (tmp_path / "admin.token").write_text(ADMIN)
     (tmp_path / "scope.key").write_text(SCOPE_KEY.hex())
     (tmp_path / "descriptor.json").write_text(json.dumps(DESCRIPTOR.to_json()))
-    started: list[RunningService] = []
-
-    def start(name: str, *argv: str) -> RunningService:
-        work = tmp_path / name
-        work.mkdir()
-        command = [sys.executable, "-m", "kvsp", "serve", *argv]
-        command += ["--listen", "127.0.0.1:0", "--principals", str(principals)]
-        command += ["--state", str(work / "state")]
-        service = start_process(command, workdir=work, ready_timeout=60)
-        started.append(service)
-        return service
+    services = Services(tmp_path, principals)
+    start = services.start
 
     try:
         control = start("control", "control")
@@ -109,8 +100,7 @@ def test_a_block_published_into_the_relay_outlives_its_publisher(tmp_path: Path)
         )
         asyncio.run(scenario(control, instance, faces, relay_cert))
     finally:
-        for service in reversed(started):
-            service.stop()
+        services.stop_all()
 
 
 async def scenario(

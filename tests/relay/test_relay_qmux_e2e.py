@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import stat
-import sys
 from pathlib import Path
 
 import httpx
@@ -34,8 +33,9 @@ from kvsp.services.index.client import IndexClient
 from kvsp.transfer.block_client import BlockClient
 from kvsp.transfer.moqt_client import MoqtBlockClient
 from kvsp.web.auth import principal_entry, write_principals
-from kvsp.web.testing import RunningService, start_process
+from kvsp.web.testing import RunningService
 from tests.support.polling import eventually
+from tests.support.services import Services
 
 pytest.importorskip("moqt.qmux_asyncio")
 pytestmark = pytest.mark.timeout(150)
@@ -89,17 +89,8 @@ def test_blocks_reach_a_reader_through_the_relay_over_every_qmux_carrier(tmp_pat
     (tmp_path / "scope.key").write_text(SCOPE_KEY.hex())
     (tmp_path / "descriptor.json").write_text(json.dumps(DESCRIPTOR.to_json()))
     socket_path = tmp_path / "relay.sock"
-    started: list[RunningService] = []
-
-    def start(name: str, *argv: str) -> RunningService:
-        work = tmp_path / name
-        work.mkdir()
-        command = [sys.executable, "-m", "kvsp", "serve", *argv]
-        command += ["--listen", "127.0.0.1:0", "--principals", str(principals)]
-        command += ["--state", str(work / "state")]
-        service = start_process(command, workdir=work, ready_timeout=60)
-        started.append(service)
-        return service
+    services = Services(tmp_path, principals)
+    start = services.start
 
     try:
         control = start("control", "control")
@@ -125,8 +116,7 @@ def test_blocks_reach_a_reader_through_the_relay_over_every_qmux_carrier(tmp_pat
         )
         asyncio.run(scenario(control, instance, faces, cert))
     finally:
-        for service in reversed(started):
-            service.stop()
+        services.stop_all()
 
 
 async def scenario(

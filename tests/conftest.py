@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import secrets
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,21 @@ settings.register_profile("dev", deadline=None)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
 )
+
+
+# A test stuck where pytest-timeout's alarm cannot reach it (a finalizer or C code that swallows
+# the exception) would hold the whole run until CI cuts it. Past this bound, faulthandler's own
+# thread, which needs no GIL, prints every thread's stack and ends the run.
+HARD_TEST_LIMIT_S = 420
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    faulthandler.dump_traceback_later(HARD_TEST_LIMIT_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def shared_dir() -> Path:

@@ -339,7 +339,7 @@ def test_replicas_per_holder_counts_live_records_for_an_admin(tmp_path: Path) ->
         ]
     )
     app = create_index_app(
-        IndexConfig(),
+        IndexConfig(gc_freeze_interval_s=None),  # no gc.collect() in the test process
         store=store,
         principals=principals,
         clock=ManualClock(NOW),

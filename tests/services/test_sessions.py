@@ -336,7 +336,7 @@ class Control:
         )
         config = PCConfig(sessions=settings or SessionSettings(backoff_ms=1, backoff_max_ms=2))
         self.app = create_control_app(
-            IndexConfig(),
+            IndexConfig(gc_freeze_interval_s=None),  # no gc.collect() in the test process
             store=MemoryStore(),
             principals=principals,
             clock=self.clock,

@@ -125,7 +125,7 @@ def build_app(service: str, tmp_path: Path, clock: Clock | None = None) -> Starl
     clock = clock or SystemClock()
     if service == "index":
         return create_index_app(
-            IndexConfig(),
+            IndexConfig(gc_freeze_interval_s=None),  # no gc.collect() in the test process
             store=MemoryStore(),
             principals=principals(),
             clock=clock,
@@ -133,7 +133,7 @@ def build_app(service: str, tmp_path: Path, clock: Clock | None = None) -> Starl
         )
     if service == "control":
         return create_control_app(
-            IndexConfig(),
+            IndexConfig(gc_freeze_interval_s=None),  # no gc.collect() in the test process
             store=MemoryStore(),
             principals=principals(),
             clock=clock,

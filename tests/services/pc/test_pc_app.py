@@ -97,7 +97,7 @@ class App:
             ]
         )
         self.app = create_control_app(
-            IndexConfig(),
+            IndexConfig(gc_freeze_interval_s=None),  # no gc.collect() in the test process
             store=MemoryStore(),
             principals=principals,
             clock=self.clock,

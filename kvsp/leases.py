@@ -11,6 +11,12 @@ that have expired (amortised O(log n) each, by a heap); :meth:`LeaseTable.expire
 all, including those removed on the way by other calls, so the caller can act on each exactly
 once. Per-key reference counts make :meth:`LeaseTable.is_leased` O(1); grant and release are
 O(keys of the lease).
+
+Besides the per-client quota (§6.6 MUST), a holder bounds the octets leased by all clients
+together (:attr:`LeaseQuota.max_octets_total`), so that leases can never pin its whole capacity:
+:func:`capacity_quota` derives both from the holder's capacity (a client may lease a quarter of
+it, all clients together half of it), which leaves room for other principals' stores however
+many clients lease.
 """
 
 from __future__ import annotations
@@ -41,12 +47,63 @@ class LeaseQuota:
     max_octets_per_client: int
     max_ttl_ms: int
     max_leases_per_client: int
+    max_octets_total: int | None = None
+    """Octets leased by all clients together; ``None``: no holder-wide bound."""
 
     def __post_init__(self) -> None:
         for name in ("max_octets_per_client", "max_ttl_ms", "max_leases_per_client"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            _check_positive(name, getattr(self, name))
+        if self.max_octets_total is not None:
+            _check_positive("max_octets_total", self.max_octets_total)
+
+    def bounded(self, capacity: int) -> LeaseQuota:
+        """This quota with its holder-wide bound at most :data:`TOTAL_SHARE` of ``capacity``
+        octets (the sum of the holder's tier budgets), and no client allowed more than that."""
+        cap = max(1, capacity // TOTAL_SHARE)
+        total = cap if self.max_octets_total is None else min(self.max_octets_total, cap)
+        return replace(
+            self,
+            max_octets_total=total,
+            max_octets_per_client=min(self.max_octets_per_client, total),
+        )
+
+
+CLIENT_SHARE = 4
+"""By default a client may lease a quarter of a holder's capacity."""
+TOTAL_SHARE = 2
+"""All clients together may lease at most half of a holder's capacity: whatever is leased, some
+tier keeps at least half of its budget evictable, so a store of a block up to that size
+always finds room."""
+
+
+def capacity_quota(
+    capacity: int,
+    *,
+    max_ttl_ms: int,
+    max_leases_per_client: int,
+    max_octets_per_client: int | None = None,
+) -> LeaseQuota:
+    """The lease quota of a holder with ``capacity`` octets in all its tiers: per client
+    ``max_octets_per_client`` (default a :data:`CLIENT_SHARE` of the capacity), all clients
+    together at most a :data:`TOTAL_SHARE` of it.
+
+    Raises:
+        ValueError: a limit that is not a positive integer.
+    """
+    per_client = max_octets_per_client
+    if per_client is None:
+        per_client = max(1, capacity // CLIENT_SHARE)
+    quota = LeaseQuota(
+        max_octets_per_client=per_client,
+        max_ttl_ms=max_ttl_ms,
+        max_leases_per_client=max_leases_per_client,
+    )
+    return quota.bounded(capacity)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,6 +131,7 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._by_client: dict[str, dict[str, None]] = {}  # client → its lease ids, in order
         self._octets: dict[str, int] = {}  # client → leased octets
+        self._total = 0  # octets of every unexpired lease
         self._refs: dict[bytes, int] = {}  # key → number of leases covering it
         self._deadlines: list[tuple[int, str]] = []  # (expires_ms, id); stale after renew
         self._expired: list[Lease] = []  # removed, not yet reported by expire()
@@ -89,7 +147,8 @@ class LeaseTable:
         Raises:
             BadRequest: no keys, a negative size, or ``ttl_ms`` not positive.
             LeaseQuota: ``ttl_ms`` over the maximum, or the client's unexpired leases would
-                pass its octet or lease-count quota (§6.6 MUST).
+                pass its octet or lease-count quota (§6.6 MUST), or all clients' leases the
+                holder-wide bound.
         """
         now = self._advance(now_ms)
         if not sizes:
@@ -156,6 +215,11 @@ class LeaseTable:
         self._advance(now_ms)
         return set(self._refs)
 
+    def total_octets(self, now_ms: int) -> int:
+        """The octets leased by every client's unexpired leases."""
+        self._advance(now_ms)
+        return self._total
+
     def octets_of(self, client: str, now_ms: int) -> int:
         """The octets leased by ``client``'s unexpired leases."""
         self._advance(now_ms)
@@ -205,6 +269,13 @@ class LeaseTable:
             raise LeaseQuotaExceeded(
                 f"already {self.quota.max_leases_per_client} leases, the most allowed"
             )
+        total = self.quota.max_octets_total
+        if total is not None and self._total + octets > total:
+            # keeps room for other principals' stores, whoever holds the leases
+            raise LeaseQuotaExceeded(
+                f"{octets} octets requested would pass this holder's bound of {total} octets "
+                "leased by all clients together"
+            )
 
     def _fresh_id(self) -> str:
         lease_id = self._new_id()
@@ -222,12 +293,14 @@ class LeaseTable:
         self._leases[lease.id] = lease
         self._by_client.setdefault(lease.client, {})[lease.id] = None
         self._octets[lease.client] = self._octets.get(lease.client, 0) + lease.octets
+        self._total += lease.octets
         for key in lease.keys:
             self._refs[key] = self._refs.get(key, 0) + 1
         heapq.heappush(self._deadlines, (lease.expires_ms, lease.id))
 
     def _remove(self, lease: Lease) -> None:
         del self._leases[lease.id]
+        self._total -= lease.octets
         ids = self._by_client[lease.client]
         del ids[lease.id]
         if ids:

@@ -8,7 +8,9 @@ MAX_CACHE_DURATION capped by configuration, and ``lease_base`` = its HTTP face. 
 refreshed at a third of their granted TTL, withdrawn **before** their track is evicted, and
 withdrawn when the track expires. A track whose block is leased is never chosen for eviction;
 MAX_CACHE_DURATION still ends it (the publisher's cache directive), after its record is
-withdrawn (§6.6: a holder that must drop leased data first withdraws the record).
+withdrawn (§6.6: a holder that must drop leased data first withdraws the record). Given the
+cache's ``capacity``, leases by all clients together are bounded to half of it
+(:meth:`~kvsp.leases.LeaseQuota.bounded`), so leased tracks never fill the cache.
 
 One record per block: a second complete replica of the same block key (other bytes) is cached
 and served but not published while the first is held.
@@ -59,6 +61,14 @@ class HolderConfig:
 
     record_ttl_ms: int = DEFAULT_RECORD_TTL_MS
     lease_quota: LeaseQuota = field(default_factory=_default_quota)
+    capacity: int | None = None
+    """The cache budget in octets: leases stop at half of it (``None``: only ``lease_quota``)."""
+
+    def lease_policy(self) -> LeaseQuota:
+        """The lease quota applied (§6.6), bounded by the capacity when it is known."""
+        if self.capacity is None:
+            return self.lease_quota
+        return self.lease_quota.bounded(self.capacity)
 
 
 @dataclass(slots=True)
@@ -88,7 +98,7 @@ class RelayHolder:
         self.lease_base = lease_base
         self.carriers = carriers
         """The relay's MOQT-over-QMux URIs, fastest first: the records' ``moqt_carriers``."""
-        self.leases = LeaseTable(config.lease_quota)
+        self.leases = LeaseTable(config.lease_policy())
         self._replicas: dict[TrackKey, KVReplica] = {}  # complete replicas in the cache
         self._blocks: dict[bytes, _Published] = {}  # block (packed) → its published replica
         self._lock = asyncio.Lock()  # one IS conversation at a time, in order

@@ -18,10 +18,20 @@ A victim goes down one tier (device → host → disk) instead when that tier ha
 residency changes, so the holder re-publishes it. A block covered by a lease is never chosen,
 and :meth:`BlockStore.evict` refuses it (§6.6 MUST). The store is synchronous; its index is
 guarded by a lock so that readers on the event loop can run while a writer thread stores octets.
+
+Storage faults: :meth:`BlockStore.read_checked` reads a disk-tier block into memory and checks
+its length and Repr-Digest before anything is sent, because a response's ``Content-Length`` and
+``Repr-Digest`` leave before its body: a fault found while streaming could only reset the
+connection. A file that is missing, empty, truncated, of another length or another digest is
+a :class:`BlockFault` (a miss, 404), reported to the store's ``on_fault`` (the holder withdraws
+its record, then :meth:`BlockStore.drop` deletes it) or, without one, dropped at once.
+Reading into memory rather than mapping the file also means a file truncated while it is sent
+cannot fault the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -51,6 +61,7 @@ from kvsp.errors import (
     Incompatible,
     InsufficientStorage,
     KVSPError,
+    NotFound,
     RecordError,
 )
 from kvsp.fields import Fields
@@ -63,6 +74,9 @@ TIER_ORDER: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 are demoted to the next one."""
 DATA_SUFFIX = ".kvb"
 SIDECAR_SUFFIX = ".json"
+FAULT_KINDS = ("missing", "empty", "truncated", "corrupt", "unreadable")
+"""What can be wrong with a stored block's file when it is read: gone, zero octets, fewer
+octets than stored, other octets (another length or digest), or an I/O error."""
 
 
 class BlockRef(NamedTuple):
@@ -314,6 +328,16 @@ class Dropped:
     reason: str
 
 
+class BlockFault(NotFound):
+    """A stored block whose octets could not be read back as stored (one of
+    :data:`FAULT_KINDS`): to a client, a miss (404 ``kvsp-not-found``, §6.1)."""
+
+    def __init__(self, ref: BlockRef, kind: str) -> None:
+        super().__init__("this holder does not hold the block")
+        self.ref = ref
+        self.kind = kind
+
+
 @dataclass(slots=True, eq=False)
 class StoredBlock:
     """A block in the store: its metadata, its tier, and the tier's handle on its octets."""
@@ -404,6 +428,9 @@ class BlockStore:
     """Blocks in tiers with per-tier byte budgets and LRU victims that skip leased blocks.
 
     ``is_leased(ref)`` answers whether an unexpired lease covers a block (§6.6).
+    ``on_fault(block, kind)`` hears of each storage fault :meth:`read_checked` finds, from the
+    reading thread; the block stays until the listener calls :meth:`drop` (without a listener
+    it is dropped at once).
     """
 
     def __init__(
@@ -412,10 +439,12 @@ class BlockStore:
         *,
         is_leased: Callable[[BlockRef], bool],
         device: DeviceBackend | None = None,
+        on_fault: Callable[[StoredBlock, str], None] | None = None,
     ) -> None:
         if Tier.DEVICE in config.budgets and device is None:
             raise ValueError("the device tier needs a device backend (CUDA)")
         self.config = config
+        self.on_fault = on_fault
         self._is_leased = is_leased
         self._device = device
         self._tiers = {
@@ -467,9 +496,33 @@ class BlockStore:
         host copy of a device tensor."""
         return self._read_payload(block.tier, block.payload)
 
+    def read_checked(self, block: StoredBlock) -> memoryview:
+        """:meth:`read`, with a disk-tier block read into memory and checked against its
+        stored length and Repr-Digest (one SHA-256 pass: a caller may run this in a worker
+        thread). Memory tiers are returned as they are.
+
+        Raises:
+            BlockFault: the file is missing, empty, truncated or differs (reported to
+                ``on_fault`` first).
+        """
+        if block.tier is not Tier.DISK or not isinstance(block.payload, Path):
+            return self.read(block)
+        data, kind = _load_file(block.payload, block.meta)
+        if kind is None:
+            return memoryview(data)
+        if self.on_fault is not None:
+            self.on_fault(block, kind)
+        else:
+            self.drop(block)
+        raise BlockFault(block.meta.ref, kind)
+
     def container(self, block: StoredBlock) -> Container:
-        """The stored container, decoded over :meth:`read`'s octets without copying."""
-        return decode_container(self.read(block))
+        """The stored container, decoded over :meth:`read_checked`'s octets without copying.
+
+        Raises:
+            BlockFault: as :meth:`read_checked`.
+        """
+        return decode_container(self.read_checked(block))
 
     # -- making room ---------------------------------------------------------------------------
 
@@ -549,6 +602,20 @@ class BlockStore:
             self._unlink(block)
         self._release(block)
         return block
+
+    def drop(self, block: StoredBlock) -> bool:
+        """Remove a faulty block and delete its files, leased or not (its octets are lost);
+        withdraw its Replica Record first (§6.6). False when ``block`` is no longer the one
+        held under its key (dropped or replaced meanwhile), which is left alone."""
+        with self._lock:
+            if self._blocks.get(block.meta.ref) is not block:
+                return False
+            self._unlink(block)
+        if isinstance(block.payload, Path):
+            for path in (block.payload, block.payload.with_suffix(SIDECAR_SUFFIX)):
+                with contextlib.suppress(OSError):  # one that cannot be deleted stays unused
+                    path.unlink(missing_ok=True)
+        return True
 
     def demote(self, ref: BlockRef, to: Tier) -> StoredBlock:
         """Move a block to the slower tier ``to``; the caller re-publishes its record.
@@ -698,6 +765,24 @@ def _write_atomic(path: Path, data: memoryview, fsync: bool) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _load_file(path: Path, meta: BlockMeta) -> tuple[bytes, str | None]:
+    """The file's octets, and the fault kind when they are not the block ``meta`` describes."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(meta.size + 1)  # one more octet tells a longer file
+    except FileNotFoundError:
+        return b"", "missing"
+    except OSError:
+        return b"", "unreadable"
+    if not data:
+        return data, "empty"
+    if len(data) < meta.size:
+        return data, "truncated"
+    if len(data) > meta.size or hashlib.sha256(data).digest() != meta.repr_digest:
+        return data, "corrupt"
+    return data, None
 
 
 def _map_file(path: Path) -> memoryview:

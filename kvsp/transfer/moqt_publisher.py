@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvsp.container import Buffer, Container, Geometry, Layer, decode_container, replica_digest
-from kvsp.errors import Incompatible, InvalidIdentifier
+from kvsp.errors import Incompatible, InvalidIdentifier, NotFound
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.moqt_mapping import (
     KV_GROUP,
@@ -159,7 +159,11 @@ class BlockSource(Protocol):
     """Where a publisher finds the stored blocks it serves."""
 
     async def lookup(self, compat: CompatId, scope: ScopeId, key: BlockKey) -> StoredBlock | None:
-        """The stored block, or None when not held."""
+        """The stored block, or None when not held.
+
+        Raises:
+            NotFound: the block's stored octets are faulty (answered as a miss).
+        """
         ...
 
 
@@ -429,7 +433,10 @@ class MoqtBlockPublisher:
         digest = parse_stored_track_name(name)
         if digest is None:
             return self.live.get(tuple(bytes(f) for f in namespace), bytes(name))
-        block = await self.blocks.lookup(compat, scope, key)
+        try:
+            block = await self.blocks.lookup(compat, scope, key)
+        except NotFound:  # a storage fault: the holder retires the block; to the peer, a miss
+            return None
         return block if block is not None and block.digest == digest else None
 
     async def _serve_fetch(self, event: FetchReceived) -> None:

@@ -10,8 +10,8 @@ may share one process, as in the tests), mounted by :func:`install_metrics`:
 * domain metrics, read from the app's own objects when scraped (``app.state.index``, ``pc``,
   ``holder``, ``agent``, ``relay``) or counted by the handlers through :func:`observe_lookup`
   and :func:`observe_bytes`: replicas in the IS store, lookups and the cache hit ratio
-  (matched / asked keys), active leases, bytes moved per transport, directive outcomes, and
-  instance states.
+  (matched / asked keys), active leases, storage faults of held blocks, bytes moved per
+  transport, directive outcomes, and instance states.
 
 **Who may read it.** ``/metrics`` needs ``Authorization: Bearer`` of a principal with role
 ``metrics`` (or ``admin``): a scrape-only credential, so a Prometheus server never holds a token
@@ -38,7 +38,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvsp.registries import DirectiveState, InstanceState
-from kvsp.web.auth import principal_of, require_role
+from kvsp.web.auth import principal_of
 
 METRICS_PATH = "/metrics"
 METRICS_ROLE = "metrics"
@@ -188,6 +188,16 @@ def _state_families(service: str, state: Any) -> Iterator[Metric]:
     agent = getattr(state, "agent", None)
     if agent is not None:
         yield from _agent_families(service, agent)
+    faults = getattr(holder or getattr(agent, "holder", None), "faults", None)
+    if faults is not None:
+        yield _by_label(
+            "kvsp_block_faults",
+            "Stored blocks found missing, empty, truncated, corrupt or unreadable when read; "
+            "each was withdrawn and deleted, and answered as a miss.",
+            service,
+            "kind",
+            faults,
+        )
 
 
 def _gauge(name: str, doc: str, service: str, value: float) -> Metric:
@@ -280,7 +290,12 @@ def route_template(scope: Scope) -> str:
 
 
 class MetricsMiddleware:
-    """Counts and times every HTTP request by route template, method and status."""
+    """Counts and times every HTTP request by route template, method and status.
+
+    A client that went away before its body was complete is counted under status ``499``
+    (:class:`~kvsp.web.http.ClientDisconnected`), never as a 5xx: a flaky network is not a
+    server failure.
+    """
 
     def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
         self.app = app
@@ -315,14 +330,14 @@ async def _replica_count(request: Request) -> None:
 
 
 async def metrics_endpoint(request: Request) -> Response:
-    """``GET /metrics``: the text exposition, for principals with role ``metrics``.
+    """``GET /metrics``: the text exposition, for principals with role ``metrics`` or
+    ``admin`` (others are refused before it runs: :mod:`kvsp.web.roles`).
 
     Raises:
         Unauthorized: no valid bearer token.
-        Forbidden: the principal has neither role ``metrics`` nor ``admin``.
     """
     if request.app.state.principals is not None:  # None only for a relay run --open
-        require_role(principal_of(request), METRICS_ROLE)
+        principal_of(request)  # role metrics: kvsp.web.roles
     await _replica_count(request)
     metrics: ServiceMetrics = request.app.state.metrics
     return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

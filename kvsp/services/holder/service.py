@@ -21,6 +21,13 @@ and relays; the HTTP shell is :mod:`kvsp.services.holder.app`. Choices the spec 
 * Records are refreshed once a third of their granted TTL has passed, and withdrawn on
   :meth:`Holder.close`. A failed withdrawal does not stop an eviction (§6.1 allows "immediately
   after"); it is retried with the next refresh.
+* A disk-tier block is checked against its length and Repr-Digest before it is served over
+  HTTP or MOQT (:meth:`BlockStore.read_checked`). A storage fault (missing, empty, truncated or
+  corrupt file) is answered as a miss (404), counted in :attr:`Holder.faults`, and the block is
+  retired at once (:mod:`kvsp.services.holder.faults`): no longer served or refreshed, its
+  record withdrawn, then its files deleted (§6.6: withdraw before dropping leased data).
+* Leases (§6.6) are bounded per client and for all clients together
+  (:meth:`HolderConfig.lease_policy`), so that leases never pin the whole capacity.
 """
 
 from __future__ import annotations
@@ -49,10 +56,12 @@ from kvsp.errors import (
 )
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.index import ReplicaIndex
-from kvsp.leases import Lease, LeaseQuota, LeaseTable, random_lease_id
+from kvsp.leases import Lease, LeaseQuota, LeaseTable, capacity_quota, random_lease_id
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord, Residency
 from kvsp.registries import Codec, Tier
+from kvsp.services.holder.faults import Retirement
 from kvsp.stores.blocks import (
+    BlockFault,
     BlockMeta,
     BlockRef,
     BlockStore,
@@ -84,6 +93,8 @@ WITHDRAW_CONCURRENCY = 32
 """Withdrawals in flight at once when the holder shuts down."""
 ADMISSION_ATTEMPTS = 3
 """How often a PUT re-plans when a lease lands on a victim while its record is withdrawn."""
+DEFAULT_LEASE_TTL_MS = 60_000
+DEFAULT_LEASES_PER_CLIENT = 1024
 
 
 class DescriptorSource(Protocol):
@@ -112,15 +123,29 @@ class HolderConfig:
     """The disk tier lives in ``state_dir/blocks``."""
     record_ttl_ms: int = 600_000
     read_mbit_per_s: Mapping[Tier, float] = field(default_factory=_default_rates)
-    lease_quota: LeaseQuota = field(
-        default_factory=lambda: LeaseQuota(
-            max_octets_per_client=GiB, max_ttl_ms=60_000, max_leases_per_client=1024
-        )
-    )
+    lease_quota: LeaseQuota | None = None
+    """``None``: derived from the tiers' capacity (:meth:`lease_policy`)."""
     body_limit: int = 256 << 20
     digest_cache: int = 64
     """How many sub-range Repr-Digests to remember."""
     fsync: bool = True
+
+    @property
+    def capacity(self) -> int:
+        """Octets the tiers can hold together."""
+        return sum(self.tiers.values())
+
+    def lease_policy(self) -> LeaseQuota:
+        """The lease quota applied (§6.6): ``lease_quota``, or by default a quarter of the
+        capacity per client; either way all clients together lease at most half of it
+        (:func:`~kvsp.leases.capacity_quota`), so leases never starve other principals' PUTs."""
+        if self.lease_quota is not None:
+            return self.lease_quota.bounded(self.capacity)
+        return capacity_quota(
+            self.capacity,
+            max_ttl_ms=DEFAULT_LEASE_TTL_MS,
+            max_leases_per_client=DEFAULT_LEASES_PER_CLIENT,
+        )
 
     def store_config(self) -> StoreConfig:
         """The block store's configuration."""
@@ -168,8 +193,15 @@ class Holder:
         self.index = index
         self.descriptors = descriptors
         self.clock = clock
-        self.leases = LeaseTable(config.lease_quota, random_lease_id)
-        self.store = BlockStore(config.store_config(), is_leased=self.is_leased, device=device)
+        self.leases = LeaseTable(config.lease_policy(), random_lease_id)
+        self.retirement = Retirement(self._withdraw)
+        self.store = BlockStore(
+            config.store_config(),
+            is_leased=self.is_leased,
+            device=device,
+            on_fault=self.retirement.on_fault,
+        )
+        self.retirement.attach(self.store)
         self._public_url = config.public_url
         self._published: dict[BlockRef, _Publication] = {}
         self._unwithdrawn: set[BlockRef] = set()  # withdrawals that failed or wait for a URL
@@ -179,6 +211,11 @@ class Holder:
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def faults(self) -> dict[str, int]:
+        """Storage faults found on reading, by kind (the ``kvsp_block_faults_total`` metric)."""
+        return self.retirement.faults
 
     @property
     def public_url(self) -> str | None:
@@ -192,6 +229,7 @@ class Holder:
 
     async def start(self) -> None:
         """Re-read the disk tier (withdrawing dropped blocks), then keep the records fresh."""
+        self.retirement.loop = asyncio.get_running_loop()
         for dropped in await asyncio.to_thread(self.store.open):
             _log.warning("dropped block %s: %s", dropped.ref, dropped.reason)
             self._unwithdrawn.add(dropped.ref)
@@ -205,6 +243,7 @@ class Holder:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self.retirement.close()
         refs = list(self._published)
         for start in range(0, len(refs), WITHDRAW_CONCURRENCY):
             chunk = refs[start : start + WITHDRAW_CONCURRENCY]
@@ -235,6 +274,8 @@ class Holder:
         now = self.clock.now_ms()
         due = []
         for block in self.store:
+            if block.meta.ref in self.retirement:
+                continue
             publication = self._published.get(block.meta.ref)
             if publication is None or publication.due(now):
                 due.append(block)
@@ -479,6 +520,8 @@ class Holder:
                 await self._publish(moved)  # its residency changed
                 continue
             await self._withdraw(victim.ref)  # §6.1: withdraw before evicting
+            if victim.ref not in self.store:
+                continue  # dropped meanwhile as faulty: its room is free already
             try:
                 self.store.evict(victim.ref)
             except BlockLeased:
@@ -509,7 +552,7 @@ class Holder:
         require_scope(principal, scope)
         ref = BlockRef(compat, scope, key)
         block = self.store.get(ref)
-        if block is None:
+        if block is None or ref in self.retirement:
             raise NotFound("this holder does not hold the block")
         if codec is not None and codec != block.meta.codec:
             raise NotAcceptable(
@@ -517,7 +560,7 @@ class Holder:
             )
         meta = block.meta
         max_age = self.remaining_ttl_ms(ref) // 1000
-        data = self.store.read(block)
+        data = await self._read(block)
         if layers is None or layers == (meta.first_layer, meta.last_layer):
             return BlockResponse(
                 (data,), meta.size, meta.repr_digest, max_age, meta.first_layer, meta.last_layer
@@ -526,6 +569,19 @@ class Holder:
         length = sum(len(p) for p in parts)
         digest = await self._sub_range_digest(meta, layers, parts, length)
         return BlockResponse(parts, length, digest, max_age, layers[0], layers[1])
+
+    async def _read(self, block: StoredBlock) -> memoryview:
+        """The block's octets, checked before anything is sent (see the module docstring).
+
+        Raises:
+            NotFound: a storage fault; the block is retired before this returns.
+        """
+        self.retirement.loop = asyncio.get_running_loop()
+        try:
+            return await _offload(block.meta.size, self.store.read_checked, block)
+        except BlockFault:
+            await self.retirement.settle(block.meta.ref)
+            raise NotFound("this holder does not hold the block") from None
 
     async def _sub_range_digest(
         self,

@@ -11,14 +11,13 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kvsp.compat import CompatibilityDescriptor, compat_id
+from kvsp.compat import CompatibilityDescriptor
 from kvsp.container import Geometry, decode_container, encode_container
 from kvsp.errors import (
     ContainerError,
     DigestMismatch,
     Forbidden,
     Incompatible,
-    InsufficientStorage,
     KVSPError,
     LayersUnavailable,
     LeaseQuota,
@@ -36,22 +35,9 @@ from kvsp.stores.blocks import BlockRef
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.web.auth import Principal
 from kvsp.web.clock import ManualClock
+from tests.support.tiny_holder import COMPAT, DESCRIPTOR, GEOMETRY, SCOPE, SIZE, container, key
 
 T = TypeVar("T")
-DESCRIPTOR = CompatibilityDescriptor(
-    model="tiny",
-    model_digest=b"\x01" * 32,
-    tokenizer_digest=b"\x02" * 32,
-    layers=4,
-    kv_heads=1,
-    head_dim=4,
-    kv_dtype="fp16",
-    positional="rope",
-    block_tokens=2,
-)
-GEOMETRY = Geometry.from_descriptor(DESCRIPTOR)
-COMPAT = compat_id(DESCRIPTOR)
-SCOPE = ScopeId(b"\x0a" * 16)
 OTHER_SCOPE = ScopeId(b"\x0b" * 16)
 URL = "http://holder.test/kvsp/"
 TTL = 30_000
@@ -64,24 +50,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
 
 
-def key(n: int) -> BlockKey:
-    return BlockKey(bytes([n]) * 32)
-
-
 def ref(n: int) -> BlockRef:
     return BlockRef(COMPAT, SCOPE, key(n))
-
-
-def container(seed: int, first: int = 0, count: int = 4, tokens: int = 2) -> bytes:
-    section = GEOMETRY.section_length(tokens)
-    layers = [
-        (bytes([seed, i]) * (section // 2), bytes([i, seed]) * (section // 2))
-        for i in range(first, first + count)
-    ]
-    return encode_container(layers, first_layer=first, token_count=tokens, geometry=GEOMETRY)
-
-
-SIZE = len(container(0))
 
 
 class FakeIndex:
@@ -421,25 +391,26 @@ def test_leased_blocks_are_never_evicted() -> None:
     lease(holder, 1, ttl=1_000)
     put(holder, 3)  # evicts 2, the only unleased block
     assert ref(1) in holder.store and ref(2) not in holder.store
-    lease(holder, 3, ttl=1_000)
-    with pytest.raises(InsufficientStorage) as exc:
-        put(holder, 4)
-    assert exc.value.status == 507
-    assert {ref(1), ref(3)} == {b.meta.ref for b in holder.store}
-    assert set(index.records) == {ref(1), ref(3)}
-    clock.advance(1_000)  # the leases end; the blocks may go
-    put(holder, 4)
-    assert ref(4) in holder.store
+    with pytest.raises(LeaseQuota):  # all clients together: half the capacity
+        lease(holder, 3, ttl=1_000, who=BOB)
+    put(holder, 4)  # evicts 3: leases never pin the whole tier
+    assert {ref(1), ref(4)} == {b.meta.ref for b in holder.store}
+    assert set(index.records) == {ref(1), ref(4)}
+    clock.advance(1_000)  # the lease ends; the block may go
+    put(holder, 5)
+    assert {ref(4), ref(5)} == {b.meta.ref for b in holder.store}
 
 
 def test_a_lease_landing_during_the_withdrawal_stops_the_eviction() -> None:
     index = FakeIndex()
-    holder = make_holder(index=index, host=SIZE)
+    holder = make_holder(index=index, host=2 * SIZE)
     put(holder, 1)
-    index.on_withdraw = lambda r: (lease(holder, 1), None)[1]
-    with pytest.raises(InsufficientStorage):
-        put(holder, 2)
+    put(holder, 2)
+    index.on_withdraw = lambda r: (lease(holder, 1) if r == ref(1) else None, None)[1]
+    put(holder, 3)  # 1 is leased while its record is withdrawn: 2 goes instead
     assert ref(1) in holder.store and ref(1) in index.records  # its record went back
+    assert ref(2) not in holder.store and ref(2) not in index.records
+    assert ref(3) in holder.store
 
 
 def test_victims_are_demoted_to_disk_and_republished(tmp_path: Path) -> None:

@@ -336,9 +336,9 @@ def test_bad_lease_requests(app: App, body: bytes, path: str) -> None:
 def test_lease_quota_is_429(app: App) -> None:
     for n in (1, 2, 3):
         app.put(n)
-    assert app.client.post("/leases", json=lease_body(1, 2), headers=ALICE).status_code == 201
+    assert app.client.post("/leases", json=lease_body(1), headers=ALICE).status_code == 201
     before = app.state()
-    over = app.client.post("/leases", json=lease_body(2, 3), headers=ALICE)
+    over = app.client.post("/leases", json=lease_body(2), headers=ALICE)
     assert_problem(over, 429, "kvsp-lease-quota")
     too_long = app.client.post("/leases", json=lease_body(3, ttl=10_001), headers=ALICE)
     assert_problem(too_long, 429, "kvsp-lease-quota", "$.ttl_ms")
@@ -379,15 +379,14 @@ def test_renewing_bad_or_unknown_leases(app: App) -> None:
     )
 
 
-def test_a_put_needing_leased_room_is_507(app: App) -> None:
+def test_leases_stop_at_half_the_capacity_so_a_put_finds_room(app: App) -> None:
     for n in (1, 2, 3):
         app.put(n)
-    app.client.post("/leases", json=lease_body(1, 2), headers=ALICE)
-    assert app.put(4).status_code == 201  # evicts 3, the one unleased block
-    app.client.post("/leases", json=lease_body(4), headers=ALICE)
-    before = app.state()
-    assert_problem(app.put(5), 507, "kvsp-insufficient-storage")
-    assert app.state() == before
+    assert app.client.post("/leases", json=lease_body(1), headers=ALICE).status_code == 201
+    refused = app.client.post("/leases", json=lease_body(2), headers=ALICE)
+    assert_problem(refused, 429, "kvsp-lease-quota")
+    assert app.put(4).status_code == 201  # evicts 2, the least recently used unleased block
+    assert {b.meta.ref.key[0] for b in app.holder.store} == {1, 3, 4}
 
 
 def test_parse_size() -> None:

@@ -1,6 +1,7 @@
 """A real holder publishing at a real Index Service (``kvsp serve index`` and ``kvsp serve
 holder`` as processes on 127.0.0.1): publish, retrieve by layer range, evict with withdrawal,
-never evict a leased block, withdraw on shutdown (§6.1, §6.6, §6.7)."""
+never evict a leased block nor let leases pin the whole tier, withdraw on shutdown (§6.1, §6.6,
+§6.7)."""
 
 from __future__ import annotations
 
@@ -15,46 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsp.compat import CompatibilityDescriptor, compat_id
-from kvsp.container import Geometry, decode_container, encode_container
-from kvsp.ids import BlockKey, ScopeId
+from kvsp.container import decode_container
 from kvsp.records import LookupRequest, LookupResponse
 from kvsp.services.index.client import IndexClient
 from kvsp.web.auth import principal_entry, write_principals
 from kvsp.web.testing import RunningService, start_process
+from tests.support.tiny_holder import COMPAT, DESCRIPTOR, SCOPE, SIZE, container, key
 
-DESCRIPTOR = CompatibilityDescriptor(
-    model="tiny",
-    model_digest=b"\x01" * 32,
-    tokenizer_digest=b"\x02" * 32,
-    layers=4,
-    kv_heads=1,
-    head_dim=4,
-    kv_dtype="fp16",
-    positional="rope",
-    block_tokens=2,
-)
-GEOMETRY = Geometry.from_descriptor(DESCRIPTOR)
-COMPAT = compat_id(DESCRIPTOR)
-SCOPE = ScopeId(b"\x0a" * 16)
 SERVICE_TOKEN = "service-token-0123456789abcdefghijklmn"
 CLIENT_TOKEN = "client-token-0123456789abcdefghijklmno"
 CLIENT = {"authorization": f"Bearer {CLIENT_TOKEN}"}
-
-
-def key(n: int) -> BlockKey:
-    return BlockKey(bytes([n]) * 32)
-
-
-def container(seed: int) -> bytes:
-    section = GEOMETRY.section_length(2)
-    layers = [
-        (bytes([seed, i]) * (section // 2), bytes([i, seed]) * (section // 2)) for i in range(4)
-    ]
-    return encode_container(layers, first_layer=0, token_count=2, geometry=GEOMETRY)
-
-
-SIZE = len(container(0))
 
 
 @dataclass
@@ -122,6 +93,8 @@ def services(tmp_path: Path) -> Iterator[Services]:
             str(token_file),
             "--tier",
             f"host={2 * SIZE}",
+            "--lease-max-octets",
+            str(SIZE),
         ]
         holder = start_process(holder_argv, workdir=folders[1])
         try:
@@ -159,14 +132,15 @@ def test_publish_retrieve_evict_and_withdraw(services: Services) -> None:
     assert services.http.get(services.block_url(2), headers=CLIENT).status_code == 404
     assert services.lookup(1).matched == 1 and services.lookup(3).matched == 1
 
-    # With both blocks leased nothing can go: a clear 507 problem, and nothing is evicted.
-    assert services.lease(3).status_code == 201
-    refused = services.put(4)
-    assert refused.status_code == 507
-    assert refused.json()["type"] == "urn:ietf:params:kvsp:problem:kvsp-insufficient-storage"
-    assert services.lookup(1).matched == 1 and services.lookup(3).matched == 1
+    # Leases stop at half the capacity: 3 cannot be leased too, so a store still finds room.
+    refused = services.lease(3)
+    assert refused.status_code == 429
+    assert refused.json()["type"] == "urn:ietf:params:kvsp:problem:kvsp-lease-quota"
+    assert services.put(4).status_code == 201  # evicts 3
+    assert services.lookup(3).matched == 0
+    assert services.lookup(1).matched == 1 and services.lookup(4).matched == 1
     assert services.http.get(services.block_url(1), headers=CLIENT).content == container(1)
 
     # A clean shutdown withdraws every record.
     assert services.holder.stop() == 0
-    assert services.lookup(1).matched == 0 and services.lookup(3).matched == 0
+    assert services.lookup(1).matched == 0 and services.lookup(4).matched == 0

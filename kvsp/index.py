@@ -7,6 +7,16 @@ here, :mod:`kvsp.stores` implements it), takes ``now_ms`` as an argument and ask
 one place (the service shell's auth module). Methods are ``async`` only because stores may be
 remote.
 
+Records are checked before they are kept (:func:`check_record`): ``digest`` must be the
+replica digest of ``layer_digests`` (§4.3) when the record lists them; when the IS knows the
+compat id's descriptor, the layers they and ``residency`` name must be the descriptor's layers;
+a record for an unknown compat id is kept as before, with its layer list bounded by what a
+container may hold; ``size`` lies between the header of the listed layers and the largest
+container anyone transfers. Each holder may keep at most ``max_records_per_holder``
+records (507 ``kvsp-insufficient-storage`` beyond it; refreshes always pass), so that one
+holder cannot fill the IS. Status epochs are bounded by the IS's clock as at the PC
+(:mod:`kvsp.lifecycle`).
+
 Authorization never leaks: a lookup in a scope the caller may not use is answered exactly like a
 miss in a scope holding nothing (§6.2 "MUST NOT return replicas of a scope for which the client
 is not authorized").
@@ -22,8 +32,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvsp.compat import CompatibilityDescriptor
-from kvsp.errors import BadRequest, Forbidden, KVSPError, PayloadTooLarge, StaleEpoch
+from kvsp.container import DEFAULT_LIMITS, header_size, replica_digest
+from kvsp.errors import (
+    BadRequest,
+    DigestMismatch,
+    Forbidden,
+    Incompatible,
+    InsufficientStorage,
+    KVSPError,
+    PayloadTooLarge,
+    StaleEpoch,
+)
 from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
+from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS, check_epoch_bound
 from kvsp.placement import estimate_targets
 from kvsp.records import (
     InstanceStatusRecord,
@@ -37,6 +58,9 @@ from kvsp.records import (
 DEFAULT_MAX_LOOKUP_KEYS = 65_536
 """Keys per lookup: a 1M-token prompt at B=16. The request is ~4.4 MB of JSON; a full answer
 grows by ~2.7 KB per replica of 32 layers, which is why compact answers exist (DESIGN §7)."""
+DEFAULT_MAX_RECORDS_PER_HOLDER = 500_000
+"""Records one holder may keep at the IS: 1 TB of 2 MiB blocks, ~800 MiB of IS memory at
+32 layers a record."""
 HINT_IDS = 3
 """Compat ids a hint lists before "(+N more)", keeping it under the 1,024-character limit."""
 _DESCRIPTOR_ADVICE = "check the model, tokenizer, adapters, kv_dtype and block_tokens"
@@ -69,8 +93,12 @@ class ReplicaStore(Protocol):
         """Store or refresh ``record`` (its holder's entry for its key) until ``expires_ms``."""
         ...
 
-    async def put_many(self, items: Sequence[StoredReplica]) -> None:
-        """Store or refresh several records at once (one round trip)."""
+    async def put_many(
+        self, items: Sequence[StoredReplica], *, max_per_holder: int | None = None
+    ) -> list[bool]:
+        """Store or refresh several records at once (one round trip); per item, whether it
+        was stored. With ``max_per_holder``, a record that would be a holder's record beyond
+        that many is not stored (a refresh of a kept record always is)."""
         ...
 
     async def delete(self, compat_id: bytes, scope_id: bytes, key: bytes, holder_id: bytes) -> bool:
@@ -101,9 +129,12 @@ class ReplicaStore(Protocol):
         """How many replica records are stored (expired ones not yet swept included)."""
         ...
 
-    async def put_status(self, record: InstanceStatusRecord, expires_ms: int) -> bool:
+    async def put_status(
+        self, record: InstanceStatusRecord, expires_ms: int, *, poisoned_above: int | None = None
+    ) -> bool:
         """Store an instance's status until ``expires_ms``; ``False`` (and nothing stored) when
-        its epoch is lower than the highest seen for that instance (§6.3)."""
+        its epoch is lower than the highest seen for that instance (§6.3), unless that highest
+        epoch is above ``poisoned_above`` (:mod:`kvsp.lifecycle`: a poisoned epoch)."""
         ...
 
     async def statuses(self, instances: Sequence[str], now_ms: int) -> list[InstanceStatusRecord]:
@@ -252,6 +283,55 @@ def _id_list(ids: set[bytes]) -> str:
     return text + (f" (+{len(ids) - len(shown)} more)" if len(ids) > len(shown) else "")
 
 
+def check_record(
+    record: ReplicaRecord, descriptor: CompatibilityDescriptor | None, path: str = "$"
+) -> None:
+    """Check a record against itself and, when known, its compat id's descriptor (§4.3, §4.4);
+    ``path`` is the record's JSON path, for the errors.
+
+    Raises:
+        DigestMismatch: ``digest`` is not the replica digest of ``layer_digests``.
+        Incompatible: the layers do not fit the descriptor.
+        PayloadTooLarge: more layer digests than a container may hold (unknown compat id).
+        BadRequest: a ``size`` no container of the record's layers can have.
+    """
+    digests = record.layer_digests
+    if digests is not None:
+        limit = DEFAULT_LIMITS.max_layer_count if descriptor is None else descriptor.layers
+        if descriptor is None and len(digests) > limit:
+            raise PayloadTooLarge(
+                f"at most {limit} layer digests, got {len(digests)}", path=f"{path}.layer_digests"
+            )
+        if descriptor is not None and len(digests) != limit:
+            raise Incompatible(
+                f"{len(digests)} layer digests, but the descriptor of this compat_id has "
+                f"{limit} layers",
+                path=f"{path}.layer_digests",
+            )
+        # §4.3: the replica digest is the SHA-256 of the concatenated layer digests.
+        if replica_digest(digests) != record.digest:
+            raise DigestMismatch("is not the SHA-256 of the layer digests", path=f"{path}.digest")
+    _check_size(record, path)
+    for i, r in enumerate(record.residency or ()):
+        if descriptor is not None and r.last >= descriptor.layers:
+            raise Incompatible(
+                f"layer {r.last} beyond the descriptor's {descriptor.layers} layers",
+                path=f"{path}.residency[{i}].layers",
+            )
+
+
+def _check_size(record: ReplicaRecord, path: str) -> None:
+    """A container is at most :data:`~kvsp.container.DEFAULT_LIMITS` ``max_total_bytes`` (what
+    holders and clients transfer) and at least the header of the layers listed."""
+    most = DEFAULT_LIMITS.max_total_bytes
+    least = 0 if record.layer_digests is None else header_size(len(record.layer_digests))
+    if not least <= record.size <= most:
+        raise BadRequest(
+            f"{record.size} octets: a container of these layers has {least}..{most}",
+            path=f"{path}.size",
+        )
+
+
 def check_path(path: ReplicaPath, record: ReplicaRecord) -> None:
     """Require that the body of a PUT names the resource it is put to (§6.1, DESIGN §3).
 
@@ -277,7 +357,9 @@ class IndexService:
     """Replica records with TTLs, prefix lookup, status for estimates (§6.1–6.4).
 
     ``max_ttl_ms`` caps every granted TTL (§6.1); ``descriptors`` supplies the geometry the
-    §6.4 estimates need; ``max_lookup_keys`` bounds one lookup.
+    §6.4 estimates and the record checks need; ``max_lookup_keys`` bounds one lookup;
+    ``max_records_per_holder`` bounds the records of one holder (``None``: no bound);
+    ``max_epoch_skew_ms`` bounds status epochs (:mod:`kvsp.lifecycle`).
     """
 
     def __init__(
@@ -287,17 +369,25 @@ class IndexService:
         max_ttl_ms: int,
         descriptors: DescriptorSource,
         max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS,
+        max_records_per_holder: int | None = DEFAULT_MAX_RECORDS_PER_HOLDER,
+        max_epoch_skew_ms: int = DEFAULT_MAX_EPOCH_SKEW_MS,
     ) -> None:
         if max_ttl_ms < 1 or max_lookup_keys < 1:
             raise ValueError("max_ttl_ms and max_lookup_keys must be positive")
+        if max_records_per_holder is not None and max_records_per_holder < 1:
+            raise ValueError("max_records_per_holder must be positive")
         self.store = store
         self.max_ttl_ms = max_ttl_ms
         self.descriptors = descriptors
         self.max_lookup_keys = max_lookup_keys
+        self.max_records_per_holder = max_records_per_holder
+        self.max_epoch_skew_ms = max_epoch_skew_ms
 
     # --- §6.1 publish and withdraw -------------------------------------------------------------
 
-    def _admit(self, caller: Caller, record: ReplicaRecord, now_ms: int) -> StoredReplica:
+    def _admit(
+        self, caller: Caller, record: ReplicaRecord, now_ms: int, path: str = "$"
+    ) -> StoredReplica:
         if record.ttl_ms < 1:
             raise BadRequest("must be at least 1", path="$.ttl_ms")
         # §6.1: the client MUST be authorized for the record's scope ...
@@ -308,6 +398,7 @@ class IndexService:
             raise Forbidden(
                 f"principal {caller.name!r} may not publish for holder {record.holder[:200]!r}"
             )
+        check_record(record, self.descriptors.get(record.compat_id), path)
         granted = min(record.ttl_ms, self.max_ttl_ms)  # §6.1: capped at the configured maximum
         if granted != record.ttl_ms:
             record = dataclasses.replace(record, ttl_ms=granted)
@@ -321,11 +412,23 @@ class IndexService:
         Raises:
             BadRequest: the body disagrees with the path, or ``ttl_ms`` is 0.
             Forbidden: the caller may not use the scope or publish for the holder.
+            DigestMismatch, Incompatible, PayloadTooLarge: see :func:`check_record`.
+            InsufficientStorage: a new record beyond the holder's record quota.
         """
         check_path(path, record)
-        stored, expires_ms = self._admit(caller, record, now_ms)
-        await self.store.put(stored, expires_ms)
-        return stored.ttl_ms
+        stored = self._admit(caller, record, now_ms)
+        if not (await self._put([stored]))[0]:
+            raise self._over_quota(record)
+        return stored[0].ttl_ms
+
+    async def _put(self, items: Sequence[StoredReplica]) -> list[bool]:
+        return await self.store.put_many(items, max_per_holder=self.max_records_per_holder)
+
+    def _over_quota(self, record: ReplicaRecord) -> InsufficientStorage:
+        return InsufficientStorage(
+            f"holder {record.holder[:200]!r} keeps {self.max_records_per_holder} records at "
+            "this IS, its quota; withdraw some (or let them expire) before publishing more"
+        )
 
     async def publish_batch(
         self, caller: Caller, items: Sequence[ReplicaRecord | object], now_ms: int
@@ -336,7 +439,7 @@ class IndexService:
         item fails alone.
         """
         outcomes: list[BatchOutcome] = []
-        accepted: list[StoredReplica] = []
+        accepted: list[tuple[int, StoredReplica]] = []
         for i, item in enumerate(items):
             try:
                 record = (
@@ -344,13 +447,16 @@ class IndexService:
                     if isinstance(item, ReplicaRecord)
                     else ReplicaRecord.from_json(item, f"$.records[{i}]")
                 )
-                stored = self._admit(caller, record, now_ms)
+                stored = self._admit(caller, record, now_ms, f"$.records[{i}]")
             except KVSPError as exc:
                 outcomes.append(BatchOutcome(error=exc))
                 continue
-            accepted.append(stored)
+            accepted.append((i, stored))
             outcomes.append(BatchOutcome(ttl_ms=stored[0].ttl_ms))
-        await self.store.put_many(accepted)
+        kept = await self._put([stored for _, stored in accepted])
+        for (i, (record, _)), ok in zip(accepted, kept, strict=True):
+            if not ok:
+                outcomes[i] = BatchOutcome(error=self._over_quota(record))
         return outcomes
 
     async def withdraw(self, caller: Caller, path: ReplicaPath) -> bool:
@@ -464,9 +570,11 @@ class IndexService:
         The IS is not the lifecycle authority: it answers with the state the instance reported.
 
         Raises:
-            BadRequest: ``uri_id(record.instance)`` is not ``instance_id``.
+            BadRequest: ``uri_id(record.instance)`` is not ``instance_id``, or the epoch is more
+                than ``max_epoch_skew_ms`` ahead of ``now_ms``.
             Forbidden: the caller may not report for that instance.
-            StaleEpoch: the epoch is lower than one already seen for the instance.
+            StaleEpoch: the epoch is lower than one already seen for the instance (and that
+                one is not poisoned, :mod:`kvsp.lifecycle`).
         """
         actual = holder_id_of(record.instance)
         if actual != instance_id:
@@ -477,7 +585,20 @@ class IndexService:
             )
         if not caller.may_report_for(record.instance):
             raise Forbidden(f"principal {caller.name!r} may not report for this instance")
-        if not await self.store.put_status(record, now_ms + record.ttl_ms):
+        if not await self.keep_status(record, now_ms):
             # §6.3: records with an epoch lower than the highest seen are discarded.
             raise StaleEpoch(f"epoch {record.epoch} is lower than one already seen")
         return StateAnswer(state=record.state)
+
+    async def keep_status(self, record: InstanceStatusRecord, now_ms: int) -> bool:
+        """Store a status record for estimates until its ``ttl_ms`` runs out, replacing a
+        poisoned epoch; ``False`` when a higher epoch is kept (§6.3). No authorization: for
+        callers that checked it (the PC forwarding records it accepted).
+
+        Raises:
+            BadRequest: the epoch is more than ``max_epoch_skew_ms`` ahead of ``now_ms``.
+        """
+        check_epoch_bound(record.epoch, now_ms, self.max_epoch_skew_ms)
+        expires_ms = now_ms + record.ttl_ms
+        bound = now_ms + self.max_epoch_skew_ms
+        return await self.store.put_status(record, expires_ms, poisoned_above=bound)

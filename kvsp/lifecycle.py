@@ -16,6 +16,18 @@ sleeping
 failed     active     instance    a new epoch (a restart) re-registers it
 ========== ========== =========== ==========================================================
 
+Epochs are bounded by the receiver's clock. An epoch more than ``max_epoch_skew_ms`` ahead of
+it is refused (400 ``kvsp-bad-request`` naming ``$.epoch``): a start time cannot be in the
+future by more than the clock skew between hosts, and accepting one would make every later
+record of the real instance "lower" (§6.3 discard) until its clock caught up. A stored epoch
+beyond the bound (accepted before the rule, or left by the receiver's clock stepping back) is
+*poisoned*: the next record within the bound from a principal allowed to report for the
+instance replaces it as a first record would (the poisoned epoch ends like a restarted one),
+so no operator is needed. An epoch just within the
+bound can hold the instance off for at most the bound: the instance re-registers with its
+start time on every ``kvsp-stale-epoch`` answer, and that passes the stored epoch once its
+clock does.
+
 Sleeping is entered only from draining, so an instance never sleeps with sessions in flight;
 there is no active → sleeping edge. The PC is the authority for every other move. An instance
 learns of the PC's changes from PUT state or from the answer to its next status PUT, so its
@@ -35,6 +47,33 @@ from kvsp.errors import BadRequest, IllegalTransition, NotFound, StaleEpoch
 from kvsp.registries import InstanceState
 
 Actor = Literal["pc", "instance", "expiry"]
+
+DEFAULT_MAX_EPOCH_SKEW_MS: Final = 60_000
+"""How far an epoch may be ahead of the receiver's clock (ms): one minute, far above the skew
+of clocks kept by NTP, and the longest a forged epoch within the bound can lock an instance
+out."""
+
+
+def check_epoch_bound(epoch: int, now_ms: int, max_skew_ms: int) -> None:
+    """Refuse an epoch more than ``max_skew_ms`` ahead of ``now_ms`` (see the module text).
+
+    Raises:
+        BadRequest: ``epoch`` is beyond ``now_ms + max_skew_ms``; ``path`` is ``$.epoch``.
+    """
+    bound = now_ms + max_skew_ms
+    if epoch > bound:
+        raise BadRequest(
+            f"epoch {epoch} is more than {max_skew_ms} ms ahead of the receiver's clock "
+            f"(at most {bound} now)",
+            path="$.epoch",
+        )
+
+
+def is_poisoned(stored_epoch: int, now_ms: int, max_skew_ms: int) -> bool:
+    """Whether a stored epoch lies beyond the bound at ``now_ms``: no record within the bound
+    could have set it, so a record within the bound may replace it."""
+    return stored_epoch > now_ms + max_skew_ms
+
 
 TRANSITIONS: Final[Mapping[tuple[InstanceState, InstanceState], frozenset[Actor]]] = {
     (InstanceState.ACTIVE, InstanceState.DRAINING): frozenset({"pc"}),
@@ -138,7 +177,8 @@ class Accepted:
     ``registered`` is true when the record started an epoch (first record or a restart);
     ``changed`` when the PC's state for the instance moved; ``ended_epoch`` names the epoch a
     restart ended before :meth:`InstanceRegistry.expire` reported it failed (its sessions need
-    the §6.8 failover, as after an expiry).
+    the §6.8 failover, as after an expiry); ``poisoned_epoch`` the stored epoch beyond the skew
+    bound that the record replaced.
     """
 
     instance: str
@@ -147,6 +187,7 @@ class Accepted:
     registered: bool
     changed: bool
     ended_epoch: int | None = None
+    poisoned_epoch: int | None = None
 
 
 def _reported(record: StatusRecordLike) -> InstanceState:
@@ -171,24 +212,36 @@ class InstanceRegistry(Generic[R]):
         self._policy = policy
         self._entries: dict[str, InstanceEntry[R]] = {}
 
-    def accept_status(self, record: R, now_ms: int) -> Accepted:
+    def accept_status(
+        self, record: R, now_ms: int, *, max_epoch_skew_ms: int = DEFAULT_MAX_EPOCH_SKEW_MS
+    ) -> Accepted:
         """Take a status record and decide the state the PC answers with.
 
         A first record, or one with a higher epoch than seen (a restart, which ends the old
         epoch as failed), registers the instance; a first record adopts the reported state, a
-        restart must report active. A ``requested_state`` of sleeping is answered with draining
-        when :class:`SleepPolicy` grants it, else with the current state. A rejected record
-        changes nothing.
+        restart must report active. A record replacing a poisoned epoch (beyond
+        ``max_epoch_skew_ms`` ahead of ``now_ms``) registers the instance too, ending that epoch,
+        and adopts the reported state. A ``requested_state``
+        of sleeping is answered with draining when :class:`SleepPolicy` grants it, else with
+        the current state. A rejected record changes nothing.
 
         Raises:
             StaleEpoch: an epoch lower than the highest seen, or the epoch of an instance whose
                 record expired (it is failed and must re-register with a higher epoch).
             IllegalTransition: a reported state the instance may not move to.
-            BadRequest: a reported state of failed or an unknown state.
+            BadRequest: a reported state of failed or an unknown state, or an epoch more than
+                ``max_epoch_skew_ms`` ahead of ``now_ms``.
         """
         reported = _reported(record)
+        check_epoch_bound(record.epoch, now_ms, max_epoch_skew_ms)
         entry = self._entries.get(record.instance)
-        if entry is None or record.epoch > entry.epoch:
+        poisoned = entry is not None and is_poisoned(entry.epoch, now_ms, max_epoch_skew_ms)
+        registered = entry is None or record.epoch > entry.epoch or poisoned
+        if entry is not None and poisoned:
+            # Nothing known of it is trusted: adopt the reported state, as for a first record.
+            state, unapplied = reported, frozenset[InstanceState]()
+            ended = None if entry.state is InstanceState.FAILED else entry.epoch
+        elif entry is None or record.epoch > entry.epoch:
             state, unapplied, ended = self._register(entry, reported)
         elif record.epoch < entry.epoch:
             # MUST discard records with an epoch lower than the highest seen (§6.3).
@@ -199,7 +252,6 @@ class InstanceRegistry(Generic[R]):
         else:
             state, unapplied = self._reconcile(entry, reported)
             ended = None
-        registered = entry is None or record.epoch > entry.epoch
         low_since = self._low_since(None if registered else entry, record, now_ms)
         if (
             record.requested_state is not None
@@ -224,6 +276,7 @@ class InstanceRegistry(Generic[R]):
             registered=registered,
             changed=entry is not None and (registered or entry.state is not state),
             ended_epoch=ended,
+            poisoned_epoch=entry.epoch if entry is not None and poisoned else None,
         )
 
     @staticmethod

@@ -16,6 +16,9 @@ Layout, chosen so that no call scans the store:
   refresh rate. A rebuild is linear in the records and comes after at least as many refreshes,
   so a refresh costs amortised O(log n).
 
+Each holder's records are counted (``holder_id`` → records), so that a put can refuse a
+holder's record beyond its quota in O(1); the count includes expired records not yet swept.
+
 Identifier octets that repeat across records (compat and scope ids, holder ids) are interned, so
 a million records cost their records and a few small containers each, not copies of the ids.
 Expired records are never returned, swept or not.
@@ -51,6 +54,7 @@ class MemoryStore:
         self._scope_compats: dict[bytes, set[bytes]] = {}
         self._heap: list[_HeapEntry] = []
         self._count = 0
+        self._per_holder: dict[bytes, int] = {}
         self._interned: dict[bytes, bytes] = {}
         self._statuses: dict[str, tuple[InstanceStatusRecord, int]] = {}
         self._epochs: dict[str, int] = {}
@@ -58,11 +62,15 @@ class MemoryStore:
     def _intern(self, value: bytes) -> bytes:
         return self._interned.setdefault(value, value)
 
-    def _put(self, record: ReplicaRecord, expires_ms: int) -> None:
+    def _put(self, record: ReplicaRecord, expires_ms: int, quota: int | None = None) -> bool:
         compat = self._intern(record.compat_id)
         scope = self._intern(record.scope_id)
         holder = self._intern(holder_id_of(record.holder))
         group = self._groups.get((compat, scope))
+        if quota is not None and self._per_holder.get(holder, 0) >= quota:
+            known = group is not None and holder in group.get(record.block_key, ())
+            if not known:
+                return False  # a new record beyond the holder's quota; a refresh passes
         if group is None:
             group = self._groups[(compat, scope)] = {}
             self._scope_compats.setdefault(scope, set()).add(compat)
@@ -72,10 +80,12 @@ class MemoryStore:
             holders = group[key] = {}
         if holder not in holders:
             self._count += 1
+            self._per_holder[holder] = self._per_holder.get(holder, 0) + 1
         holders[holder] = (record, expires_ms)
         heapq.heappush(self._heap, (expires_ms, compat, scope, key, holder))
         if len(self._heap) > 2 * self._count + HEAP_SLACK:
             self._rebuild_heap()
+        return True
 
     def _rebuild_heap(self) -> None:
         """One entry per stored record, at its current expiry; the stale entries go."""
@@ -92,10 +102,12 @@ class MemoryStore:
         """Store or refresh ``record`` until ``expires_ms``."""
         self._put(record, expires_ms)
 
-    async def put_many(self, items: Sequence[StoredReplica]) -> None:
-        """Store or refresh several records."""
-        for record, expires_ms in items:
-            self._put(record, expires_ms)
+    async def put_many(
+        self, items: Sequence[StoredReplica], *, max_per_holder: int | None = None
+    ) -> list[bool]:
+        """Store or refresh several records; per item, whether it was stored (a new record
+        beyond ``max_per_holder`` of its holder's is not)."""
+        return [self._put(record, expires_ms, max_per_holder) for record, expires_ms in items]
 
     def _remove(
         self, compat: bytes, scope: bytes, key: bytes, holder: bytes, expires: int | None
@@ -112,6 +124,11 @@ class MemoryStore:
             return False
         del holders[holder]
         self._count -= 1
+        left = self._per_holder[holder] - 1
+        if left:
+            self._per_holder[holder] = left
+        else:
+            del self._per_holder[holder]
         if not holders:
             del group[key]
             if not group:
@@ -196,10 +213,14 @@ class MemoryStore:
         """How many expiry entries (live and stale) wait in the heap; for tests and metrics."""
         return len(self._heap)
 
-    async def put_status(self, record: InstanceStatusRecord, expires_ms: int) -> bool:
-        """Store an instance's status; ``False`` when its epoch is below the highest seen."""
+    async def put_status(
+        self, record: InstanceStatusRecord, expires_ms: int, *, poisoned_above: int | None = None
+    ) -> bool:
+        """Store an instance's status; ``False`` when its epoch is below the highest seen and
+        that one is not above ``poisoned_above``."""
         highest = self._epochs.get(record.instance)
-        if highest is not None and record.epoch < highest:
+        poisoned = highest is not None and poisoned_above is not None and highest > poisoned_above
+        if highest is not None and record.epoch < highest and not poisoned:
             return False  # §6.3: discard records with an epoch lower than the highest seen
         self._epochs[record.instance] = record.epoch
         self._statuses[record.instance] = (record, expires_ms)

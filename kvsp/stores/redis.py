@@ -10,7 +10,9 @@ one slot only. State added later keeps to the rule: a hash tag per scope, sessio
 ``P:{S}:r:<compat hex>``             hash     block key (32 octets) → *key value* (below)
 ``P:{S}:x:<compat hex>``             zset     block key ‖ holder id (48 octets) → expiry ms
 ``P:{S}:c``                          set      compat ids (hex) with records in scope S
+``P:{S}:h``                          hash     holder id (16 octets) → its records in scope S
 ``P:scopes``                         set      scope ids (hex) with records, for the sweeper
+``P:{h:<holder id hex>}:s``          set      scope ids (hex) where the holder has had records
 ``P:{i:<uri_id hex>}:status``        hash     ``epoch``, ``expires``, ``record`` (§6.3)
 ``P:descriptors``                    hash     compat id (hex) → descriptor JSON (§4.1)
 ==================================== ======== ============================================
@@ -19,6 +21,11 @@ A *key value* holds every holder's record of one block in the compact form of
 :mod:`kvsp.stores.redis_records`, led by the largest expiry of its entries, so that the lookup
 script decides "has a live record" from 15 octets; the entries are filtered by the caller, and
 decoded records are kept in a bounded :class:`RecordCache`, so hot prefixes are decoded once.
+
+A holder's record quota (``max_per_holder``) is exact within a scope, where the put script
+checks and counts in one step, and holds across scopes up to what concurrent puts of one
+holder in different scopes add at once: the put first reads the holder's counts in its other
+scopes (two round trips more, only with a quota) and hands the script what is left.
 
 Each operation is one round trip (one ``EVALSHA`` or one pipeline): a lookup walks the chained
 keys in order inside Redis, fetching them in growing chunks with ``HMGET`` and stopping at the
@@ -215,17 +222,20 @@ class RedisStore:
                 return await client.evalsha(sha, len(keys), *keys, *args)
 
     async def _pipeline(
-        self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]], scopes: Sequence[str] = ()
+        self,
+        calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]],
+        sets: Sequence[tuple[str, Sequence[str]]] = (),
     ) -> list[Any]:
-        """Run idempotent script calls (then ``SADD`` of ``scopes`` to the sweeper's set) in one
-        pipeline, one round trip; again after loading the scripts if Redis lacked one."""
+        """Run idempotent script calls (then ``SADD`` of members to ``sets``: the sweeper's
+        scopes, a holder's scopes) in one pipeline, one round trip; again after loading the
+        scripts if Redis lacked one."""
         client = self._client()
         with self._mapped():
-            results = await self._execute(client, calls, scopes)
+            results = await self._execute(client, calls, sets)
             if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
                 self.round_trips += 1
                 await self._load_scripts(client)
-                results = await self._execute(client, calls, scopes)
+                results = await self._execute(client, calls, sets)
             for result in results:
                 if isinstance(result, Exception):
                     raise result
@@ -235,13 +245,14 @@ class RedisStore:
         self,
         client: aioredis.Redis,
         calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]],
-        scopes: Sequence[str],
+        sets: Sequence[tuple[str, Sequence[str]]],
     ) -> list[Any]:
         pipe = client.pipeline(transaction=False)
         for name, keys, args in calls:
             pipe.evalsha(SCRIPTS[name].sha, len(keys), *keys, *args)
-        if scopes:
-            pipe.sadd(self._scopes_key, *scopes)
+        for key, members in sets:
+            if members:
+                pipe.sadd(key, *members)
         self.round_trips += 1
         results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
@@ -251,9 +262,12 @@ class RedisStore:
     def _base(self, scope: bytes) -> str:
         return f"{self.prefix}:{{{scope.hex()}}}:"
 
-    def _group_keys(self, compat: bytes, scope: bytes) -> tuple[str, str, str]:
+    def _group_keys(self, compat: bytes, scope: bytes) -> tuple[str, str, str, str]:
         base = self._base(scope)
-        return f"{base}r:{compat.hex()}", f"{base}x:{compat.hex()}", f"{base}c"
+        return f"{base}r:{compat.hex()}", f"{base}x:{compat.hex()}", f"{base}c", f"{base}h"
+
+    def _holder_scopes_key(self, holder_id: bytes) -> str:
+        return f"{self.prefix}:{{h:{holder_id.hex()}}}:s"
 
     def _status_key(self, instance: str) -> str:
         return f"{self.prefix}:{{i:{holder_id_of(instance).hex()}}}:status"
@@ -264,26 +278,87 @@ class RedisStore:
         """Store or refresh ``record`` until ``expires_ms``."""
         await self.put_many([(record, expires_ms)])
 
-    async def put_many(self, items: Sequence[StoredReplica]) -> None:
+    async def put_many(
+        self, items: Sequence[StoredReplica], *, max_per_holder: int | None = None
+    ) -> list[bool]:
         """Store or refresh several records: one script call per 500 records of a
-        (compat, scope) group, all in one pipeline."""
+        (compat, scope) group, all in one pipeline; per item, whether it was stored (a new
+        record beyond ``max_per_holder`` of its holder's is not, see the module text)."""
         if not items:
-            return
+            return []
         groups: dict[tuple[bytes, bytes], list[bytes]] = {}
-        for record, expires_ms in items:
+        positions: dict[tuple[bytes, bytes], list[int]] = {}
+        for n, (record, expires_ms) in enumerate(items):
             if not 0 <= expires_ms < 10**EXPIRY_DIGITS:
                 raise ValueError(f"expiry {expires_ms} ms is out of range")
-            args = groups.setdefault((record.compat_id, record.scope_id), [])
+            group = (record.compat_id, record.scope_id)
+            args = groups.setdefault(group, [])
             expiry = b"%015d" % expires_ms
             args += (record.block_key, holder_id_of(record.holder), expiry, encode_record(record))
+            positions.setdefault(group, []).append(n)
+        allowances = await self._allowances(groups, max_per_holder)
         calls: list[tuple[str, Sequence[Any], Sequence[Any]]] = []
+        offsets: list[list[int]] = []
         for (compat, scope), args in groups.items():
             keys = self._group_keys(compat, scope)
+            allow = allowances.get(scope, b"")
             for i in range(0, len(args), 4 * PUT_CHUNK):
-                calls.append(("put", keys, [compat.hex(), *args[i : i + 4 * PUT_CHUNK]]))
+                calls.append(("put", keys, [compat.hex(), allow, *args[i : i + 4 * PUT_CHUNK]]))
+                offsets.append(positions[(compat, scope)][i // 4 : i // 4 + PUT_CHUNK])
         # The scopes go in after the records: a sweeper that drops an emptied scope re-adds
         # it when it then sees records (_forget_scope), so no scope with records stays out.
-        await self._pipeline(calls, sorted({scope.hex() for _, scope in groups}))
+        holder_scopes: dict[bytes, set[str]] = {}
+        for _, scope in groups:
+            for holder in _holders_of(groups, scope):
+                holder_scopes.setdefault(holder, set()).add(scope.hex())
+        sets = [(self._scopes_key, sorted({scope.hex() for _, scope in groups}))]
+        sets += [(self._holder_scopes_key(h), sorted(s)) for h, s in holder_scopes.items()]
+        refused = await self._pipeline(calls, sets)
+        stored = [True] * len(items)
+        for where, gone in zip(offsets, refused, strict=True):
+            for k in gone:
+                stored[where[int(k)]] = False
+        return stored
+
+    async def _allowances(
+        self, groups: dict[tuple[bytes, bytes], list[bytes]], quota: int | None
+    ) -> dict[bytes, bytes]:
+        """Per scope of ``groups``, the put script's allowance table: for each holder putting
+        there, ``quota`` less its records in its other scopes (two pipelines)."""
+        if quota is None:
+            return {}
+        scopes = {scope for _, scope in groups}
+        holders = sorted({h for scope in scopes for h in _holders_of(groups, scope)})
+        client = self._client()
+        with self._mapped():
+            pipe = client.pipeline(transaction=False)
+            for holder in holders:
+                pipe.smembers(self._holder_scopes_key(holder))
+            self.round_trips += 1
+            known: list[set[Any]] = await pipe.execute()
+            pairs = [
+                (holder, scope)
+                for holder, found in zip(holders, known, strict=True)
+                for scope in {_text(m) for m in found} | {s.hex() for s in scopes}
+            ]
+            pipe = client.pipeline(transaction=False)
+            for holder, scope_hex in pairs:
+                pipe.hget(f"{self._base(bytes.fromhex(scope_hex))}h", holder)
+            self.round_trips += 1
+            counts = [int(c or 0) for c in await pipe.execute()]
+        total: dict[bytes, int] = {}
+        here: dict[tuple[bytes, str], int] = {}
+        for (holder, scope_hex), count in zip(pairs, counts, strict=True):
+            total[holder] = total.get(holder, 0) + count
+            here[(holder, scope_hex)] = count
+        tables: dict[bytes, bytes] = {}
+        for scope in scopes:
+            parts = []
+            for holder in _holders_of(groups, scope):
+                elsewhere = total[holder] - here[(holder, scope.hex())]
+                parts.append(holder + b"%015d" % max(0, quota - elsewhere))
+            tables[scope] = b"".join(parts)
+        return tables
 
     async def delete(self, compat_id: bytes, scope_id: bytes, key: bytes, holder_id: bytes) -> bool:
         """Remove one holder's record for a key; whether there was one."""
@@ -383,11 +458,15 @@ class RedisStore:
 
     # --- instance status (§6.3) -----------------------------------------------------------------
 
-    async def put_status(self, record: InstanceStatusRecord, expires_ms: int) -> bool:
-        """Store an instance's status; ``False`` when its epoch is below the highest seen.
-        The epoch check and the write are one script, so racing writers cannot undo it."""
+    async def put_status(
+        self, record: InstanceStatusRecord, expires_ms: int, *, poisoned_above: int | None = None
+    ) -> bool:
+        """Store an instance's status; ``False`` when its epoch is below the highest seen and
+        that one is not above ``poisoned_above``. The epoch check and the write are one
+        script, so racing writers cannot undo it."""
         key = self._status_key(record.instance)
-        args = [record.epoch, expires_ms, dumps(record)]
+        bound = "" if poisoned_above is None else poisoned_above
+        args = [record.epoch, expires_ms, dumps(record), bound]
         return bool(await self._eval("put_status", [key], args))
 
     async def statuses(self, instances: Sequence[str], now_ms: int) -> list[InstanceStatusRecord]:
@@ -513,6 +592,19 @@ class SharedDescriptors(DescriptorRegistry):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+def _holders_of(groups: dict[tuple[bytes, bytes], list[bytes]], scope: bytes) -> list[bytes]:
+    """The holder ids putting records in ``scope`` (the second of each group's 4-tuples)."""
+    found: dict[bytes, None] = {}
+    for (_, s), args in groups.items():
+        if s == scope:
+            found.update(dict.fromkeys(args[1::4]))
+    return list(found)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _status_from(raw: bytes) -> InstanceStatusRecord:

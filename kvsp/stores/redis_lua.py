@@ -2,9 +2,10 @@
 prefix lookup, §6.3 epochs), as Redis runs them (Lua 5.1).
 
 Each script touches the keys of one scope only (``P:{S}:…``, one Redis Cluster slot): the
-first key it is given names the slot, and the others it builds from the scope's key base. A
-key value is ``max expiry (15 digits)`` then entries of ``holder id (16 octets) ‖ expiry
-(15 digits) ‖ length (10 digits) ‖ record``.
+first key it is given names the slot, and the others it builds from the scope's key base. The
+scripts that add and remove entries keep ``P:{S}:h``, each holder's number of entries in the
+scope, in step with them. A key value is ``max expiry (15 digits)`` then entries of
+``holder id (16 octets) ‖ expiry (15 digits) ‖ length (10 digits) ‖ record``.
 """
 
 from __future__ import annotations
@@ -39,30 +40,47 @@ end
 local function store(r, k, v)
   if v then redis.call('HSET', r, k, v) else redis.call('HDEL', r, k) end
 end
+-- One entry of a holder fewer in the per-holder counts h of a scope.
+local function uncount(h, holder)
+  if redis.call('HINCRBY', h, holder, -1) <= 0 then redis.call('HDEL', h, holder) end
+end
 """
 
-# KEYS: r, x, c. ARGV: compat hex, then (block key, holder id, expiry digits, record) per record.
+# KEYS: r, x, c, h. ARGV: compat hex, the allowances (holder id ‖ 15 digits each: how many
+# entries the holder may have in this scope; a holder not listed has no bound), then (block key,
+# holder id, expiry digits, record) per record. Returns the 0-based positions of the records
+# refused: new entries of a holder already at its allowance (a refresh is never refused).
 PUT = (
     _ENTRIES
     + """
 redis.call('SADD', KEYS[3], ARGV[1])
-for i = 2, #ARGV, 4 do
+local allow, refused = {}, {}
+for p = 1, #ARGV[2], 16 + EXP do
+  allow[string.sub(ARGV[2], p, p + 15)] = tonumber(string.sub(ARGV[2], p + 16, p + 15 + EXP))
+end
+for i = 3, #ARGV, 4 do
   local key, holder, expiry, record = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local old, kept = redis.call('HGET', KEYS[1], key), {}
+  local old, kept, known = redis.call('HGET', KEYS[1], key), {}, false
   if old then
     for _, e in ipairs(entries(old)) do
-      if e[1] ~= holder then kept[#kept + 1] = e end
+      if e[1] ~= holder then kept[#kept + 1] = e else known = true end
     end
   end
-  local entry = holder .. expiry .. string.format('%010d', #record) .. record
-  store(KEYS[1], key, rebuild(old, kept, entry, tonumber(expiry)))
-  redis.call('ZADD', KEYS[2], expiry, key .. holder)
+  local cap = allow[holder]
+  if not known and cap and tonumber(redis.call('HGET', KEYS[4], holder) or '0') >= cap then
+    refused[#refused + 1] = (i - 3) / 4
+  else
+    if not known then redis.call('HINCRBY', KEYS[4], holder, 1) end
+    local entry = holder .. expiry .. string.format('%010d', #record) .. record
+    store(KEYS[1], key, rebuild(old, kept, entry, tonumber(expiry)))
+    redis.call('ZADD', KEYS[2], expiry, key .. holder)
+  end
 end
-return 1
+return refused
 """
 )
 
-# KEYS: r, x, c. ARGV: compat hex, block key, holder id. Returns 1 when there was a record.
+# KEYS: r, x, c, h. ARGV: compat hex, block key, holder id. Returns 1 when there was a record.
 DELETE = (
     _ENTRIES
     + """
@@ -71,7 +89,10 @@ if old then
   for _, e in ipairs(entries(old)) do
     if e[1] == ARGV[3] then found = 1 else kept[#kept + 1] = e end
   end
-  if found == 1 then store(KEYS[1], ARGV[2], rebuild(old, kept)) end
+  if found == 1 then
+    store(KEYS[1], ARGV[2], rebuild(old, kept))
+    uncount(KEYS[4], ARGV[3])
+  end
 end
 redis.call('ZREM', KEYS[2], ARGV[2] .. ARGV[3])
 if redis.call('ZCARD', KEYS[2]) == 0 then
@@ -107,6 +128,7 @@ SWEEP = (
     _ENTRIES
     + """
 local now, budget, removed = tonumber(ARGV[2]), tonumber(ARGV[3]), 0
+local h = ARGV[1] .. 'h'
 for _, compat in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if budget <= 0 then break end
   local r, x = ARGV[1] .. 'r:' .. compat, ARGV[1] .. 'x:' .. compat
@@ -116,7 +138,7 @@ for _, compat in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     local old, kept = redis.call('HGET', r, key), {}
     if old then
       for _, e in ipairs(entries(old)) do
-        if e[1] ~= holder or e[2] > now then kept[#kept + 1] = e end
+        if e[1] ~= holder or e[2] > now then kept[#kept + 1] = e else uncount(h, holder) end
       end
       store(r, key, rebuild(old, kept))
     end
@@ -162,11 +184,14 @@ end
 return total
 """
 
-# KEYS: status hash. ARGV: epoch (decimal), expiry, record JSON. 0 when the epoch is lower than
-# the highest seen (§6.3); decimal strings compare by length first, so any uint64 is exact.
+# KEYS: status hash. ARGV: epoch (decimal), expiry, record JSON, poisoned-above bound (decimal,
+# or empty for none). 0 when the epoch is lower than the highest seen (§6.3) and that one is not
+# above the bound (kvsp.lifecycle: a poisoned epoch); decimal strings compare by length first,
+# so any uint64 is exact.
 PUT_STATUS = """
+local function less(a, b) return #a < #b or (#a == #b and a < b) end
 local highest = redis.call('HGET', KEYS[1], 'epoch')
-if highest and (#ARGV[1] < #highest or (#ARGV[1] == #highest and ARGV[1] < highest)) then
+if highest and less(ARGV[1], highest) and (ARGV[4] == '' or not less(ARGV[4], highest)) then
   return 0
 end
 redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'expires', ARGV[2], 'record', ARGV[3])

@@ -19,7 +19,8 @@ Choices the spec leaves open, made here:
 * **Stale epochs** are answered ``409 kvsp-stale-epoch`` and change nothing (§6.3 MUST
   discard): the sender is a dead incarnation or one the PC declared failed, and only a new epoch
   can bring it back (§6.8), which it learns from that answer. A 200 would tell a failed
-  instance that it still serves.
+  instance that it still serves. Epochs too far ahead of the PC's clock are refused, and a
+  stored one beyond that bound yields to the next record (:mod:`kvsp.lifecycle`).
 * **Service time** (§6.4 ``wait_us = queued * mean service time``) is measured, not configured:
   see :class:`~kvsp.placement_plan.ObservedServiceTimes`.
 * **Scale-up** answers ``503 kvsp-not-active`` with ``Retry-After`` after starting the instance
@@ -54,7 +55,7 @@ from kvsp.errors import (
     UpstreamError,
 )
 from kvsp.index import holder_id_of
-from kvsp.lifecycle import InstanceRegistry, check_transition
+from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS, InstanceRegistry, check_transition
 from kvsp.placement import PlacementDecision, choose_instance
 from kvsp.placement_plan import (
     DirectiveOptions,
@@ -93,7 +94,9 @@ class PCConfig:
     ``max_cost_us`` and ``queue_limit`` bound acceptable placements (§6.4); ``service_prior_us``
     is the mean service time assumed before any instance has been measured;
     ``scale_up_timeout_ms`` is how long a started instance has to send its first status before
-    another may be started; ``retry_after_s`` goes into the 503's ``Retry-After``.
+    another may be started; ``retry_after_s`` goes into the 503's ``Retry-After``;
+    ``max_epoch_skew_ms`` is how far a status epoch may be ahead of the PC's clock
+    (:mod:`kvsp.lifecycle`).
     """
 
     sleep_threshold: float = 1.0
@@ -107,6 +110,7 @@ class PCConfig:
     service_alpha: float = 0.2
     scale_up_timeout_ms: int = 60_000
     retry_after_s: int = 1
+    max_epoch_skew_ms: int = DEFAULT_MAX_EPOCH_SKEW_MS
     assumed_link_mbit_per_s: float = 10_000.0
     """Link rate assumed for a holder of the prompt's first block to which an instance has not
     reported a link (0: none).
@@ -312,11 +316,21 @@ class PlacementController:
         Raises:
             StaleEpoch: a lower epoch than seen, or the epoch of an instance declared failed.
             IllegalTransition: a reported state the instance may not move to.
-            BadRequest: a reported state of failed.
+            BadRequest: a reported state of failed, or an epoch further ahead of the PC's clock
+                than ``max_epoch_skew_ms``.
         """
         now = self._clock.now_ms()
-        accepted = self.registry.accept_status(record, now)
+        accepted = self.registry.accept_status(
+            record, now, max_epoch_skew_ms=self.config.max_epoch_skew_ms
+        )
         self._ids[holder_id_of(record.instance)] = record.instance
+        if accepted.poisoned_epoch is not None:
+            _log.warning(
+                "%s: epoch %d was beyond the skew bound; replaced by epoch %d",
+                record.instance,
+                accepted.poisoned_epoch,
+                record.epoch,
+            )
         if accepted.registered:
             self.service_times.forget(record.instance)  # a new epoch may be a new machine
             self._starting.pop(record.instance, None)

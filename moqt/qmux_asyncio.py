@@ -76,6 +76,8 @@ RECEIVE_MIN_READ = 64 << 10  # a shorter free tail starts a fresh buffer
 IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 CLOSE_WAIT = 2.0  # seconds to wait for the carrier to close after CONNECTION_CLOSE
 UNIX_MODE = 0o600
+SETUP_TIMEOUT = 10.0
+"""Seconds an accepted connection has to finish its TLS handshake and MOQT setup."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,11 +510,13 @@ async def serve_qmux(
     qmux: QMuxConfig | None = None,
     trusted_network: bool = False,
     unix_mode: int = UNIX_MODE,
+    setup_timeout: float = SETUP_TIMEOUT,
 ) -> QMuxServer:
     """Listen on ``endpoint`` (port 0 picks one) and call ``handler(connection)`` after each
     client's setup; a handler that raises closes its session with INTERNAL_ERROR. A tls
     endpoint needs ``ssl_context`` (:func:`server_ssl_context`); a unix socket file is
-    created with ``unix_mode`` permissions.
+    created with ``unix_mode`` permissions. A connection whose TLS handshake and MOQT setup
+    are not complete ``setup_timeout`` seconds after it was accepted is aborted.
 
     Raises:
         ValueError: plain TCP on a non-loopback address without ``trusted_network``, or tls
@@ -532,6 +536,8 @@ async def serve_qmux(
         task = loop.create_task(run_handler(protocol.moqt, handler))
         server.tasks.add(task)
         task.add_done_callback(server.tasks.discard)
+        bound = loop.call_later(setup_timeout, _abort_without_setup, protocol, setup_timeout)
+        protocol.lost.add_done_callback(lambda _: bound.cancel())
         return protocol
 
     server: asyncio.Server
@@ -545,9 +551,23 @@ async def serve_qmux(
     else:
         if ssl_context is None:
             raise ValueError("a tls endpoint needs ssl_context (server_ssl_context())")
-        server = await loop.create_server(factory, host, port, ssl=ssl_context)
+        server = await loop.create_server(
+            factory, host, port, ssl=ssl_context, ssl_handshake_timeout=setup_timeout
+        )
     holder.append(QMuxServer(server, endpoint))
     return holder[0]
+
+
+def _abort_without_setup(protocol: QMuxProtocol, timeout: float) -> None:
+    """Abort an accepted connection that has not completed its setup within ``timeout``."""
+    if protocol.moqt._setup.done() or protocol.lost.done():
+        return
+    log.info("aborting a QMux connection without MOQT setup after %s s", timeout)
+    transport = protocol._transport
+    if transport is not None:
+        transport.abort()
+    else:  # the TLS handshake never finished: asyncio never connects the protocol
+        protocol.connection_lost(TimeoutError(f"no TLS handshake within {timeout} s"))
 
 
 def _bind_unix(path: str, mode: int) -> socket.socket:

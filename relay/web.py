@@ -28,13 +28,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvsp.audience import origins
 from kvsp.errors import NotFound
 from kvsp.records import LeaseRenewal, LeaseRequest
 from kvsp.web.auth import Principal, Principals, principal_of
 from kvsp.web.clock import Clock
 from kvsp.web.http import install_operations, read_json
 from kvsp.web.problems import install_problem_handlers, kvsp_json
-from kvsp.web.runner import base_url, bind_socket
+from kvsp.web.roles import install_roles
+from kvsp.web.runner import (
+    ReadTimeouts,
+    base_url,
+    bind_socket,
+    bounded_protocol,
+    http_protocol_class,
+)
 
 from .access import ANONYMOUS
 from .holder import RelayHolder
@@ -91,6 +99,9 @@ def create_app(holder: RelayHolder, principals: Principals | None, clock: Clock)
     app.state.principals = principals
     app.state.clock = clock
     app.state.holder = holder
+    # audience credentials for any URI of the relay (kvsp.audience), as over MOQT
+    app.state.audiences = lambda: origins([holder.holder_url, holder.lease_base, *holder.carriers])
+    install_roles(app, "relay-http", anonymous=ANONYMOUS)
     install_problem_handlers(app)
     install_operations(app, "relay", "KVSP relay (HTTP holder face)")
     return app
@@ -105,7 +116,8 @@ class _Server(uvicorn.Server):
 
 
 class HttpFace:
-    """The HTTP face served by uvicorn inside the relay's event loop."""
+    """The HTTP face served by uvicorn inside the relay's event loop, with the read bounds of
+    ``timeouts`` (:class:`~kvsp.web.runner.ReadTimeouts`)."""
 
     def __init__(
         self,
@@ -116,10 +128,12 @@ class HttpFace:
         certfile: str | None = None,
         keyfile: str | None = None,
         log_level: str = "warning",
+        timeouts: ReadTimeouts | None = None,
     ) -> None:
         self.app = app
         self._socket: socket.socket = bind_socket(host, port)
         self.url = base_url(host, self._socket.getsockname()[1], tls=certfile is not None)
+        bounds = timeouts or ReadTimeouts()
         config = uvicorn.Config(
             app,
             lifespan="off",
@@ -129,6 +143,8 @@ class HttpFace:
             ssl_certfile=certfile,
             ssl_keyfile=keyfile,
             server_header=False,
+            http=bounded_protocol(http_protocol_class(), bounds),  # head/body read bounds
+            timeout_keep_alive=bounds.keep_alive_s,
         )
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None

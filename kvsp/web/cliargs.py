@@ -10,21 +10,24 @@ into a :class:`~kvsp.web.runner.ServeConfig` and a principals table.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from kvsp.errors import BadRequest
+from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS
 from kvsp.web.auth import Principals, ensure_default_principals
 from kvsp.web.logs import LOG_FORMATS, configure_logging
-from kvsp.web.runner import ServeConfig
+from kvsp.web.runner import ReadTimeouts, ServeConfig
 
 DEFAULT_STATE = Path("state")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
-    """Add ``--listen``, ``--state``, ``--principals``, ``--ready-file``, TLS and logging."""
+    """Add ``--listen``, ``--state``, ``--principals``, ``--ready-file``, TLS, the read
+    timeouts (:class:`~kvsp.web.runner.ReadTimeouts`) and logging."""
     parser.add_argument(
         "--listen",
         default=f"127.0.0.1:{default_port}",
@@ -47,6 +50,28 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--ready-file", type=Path, metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--cert", type=Path, metavar="PEM", help="TLS certificate")
     parser.add_argument("--key", type=Path, metavar="PEM", help="TLS private key")
+    timeouts = ReadTimeouts()
+    parser.add_argument(
+        "--head-timeout",
+        type=positive_float,
+        default=timeouts.head_s,
+        metavar="S",
+        help="close a connection whose request head takes longer (default %(default)s s)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=timeouts.body_idle_s,
+        metavar="S",
+        help="close a connection whose request body pauses longer (default %(default)s s)",
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=positive_int,
+        default=timeouts.keep_alive_s,
+        metavar="S",
+        help="close an idle connection between requests (default %(default)s s)",
+    )
     parser.add_argument(
         "--log-level",
         default="warning",
@@ -102,6 +127,21 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 such as ``0.5`` or ``10`` (an ``argparse`` type).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def positive_size(text: str) -> int:
     """A :func:`parse_size` of at least one octet (an ``argparse`` type).
 
@@ -130,6 +170,17 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         ssl_certfile=args.cert,
         ssl_keyfile=args.key,
         log_level=args.log_level,
+        timeouts=read_timeouts(args),
+    )
+
+
+def read_timeouts(args: argparse.Namespace) -> ReadTimeouts:
+    """The :class:`ReadTimeouts` of ``--head-timeout``, ``--body-timeout`` and
+    ``--keep-alive-timeout``."""
+    return ReadTimeouts(
+        head_s=args.head_timeout,
+        body_idle_s=args.body_timeout,
+        keep_alive_s=args.keep_alive_timeout,
     )
 
 
@@ -165,3 +216,17 @@ def with_logging(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse
         return run(args)
 
     return handler
+
+
+def add_epoch_skew_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--max-epoch-skew-ms`` (the IS's, the PC's, and one for both in ``kvsp serve
+    control``)."""
+    parser.add_argument(
+        "--max-epoch-skew-ms",
+        type=positive_int,
+        default=DEFAULT_MAX_EPOCH_SKEW_MS,
+        metavar="MS",
+        help="refuse an instance status whose epoch is more than MS ahead of this clock; a "
+        "kept epoch beyond it yields to the next status (default "
+        f"{DEFAULT_MAX_EPOCH_SKEW_MS})",
+    )

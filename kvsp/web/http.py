@@ -6,6 +6,21 @@ media type, UTF-8, nesting depth and non-finite numbers before anything else see
 §6.7 query parameters and the ``Repr-Digest`` field are parsed into plain values or a
 :class:`~kvsp.errors.BadRequest` naming the parameter. :func:`install_operations` mounts the
 operator's resources every service has (metrics, request ids, OpenAPI).
+
+**Bounded parsing.** Octets alone do not bound what a JSON body costs: ``{"x":[{},{},…]}``
+turns three octets into a 64-octet dict, so a body of tens of MiB can cost a GiB and seconds
+of parsing.
+:class:`JsonLimits` bounds what the parser would build — values (items), arrays and objects
+(containers), nesting depth, the octets of one string and the characters of one number — and
+:func:`json_prescan` checks them over the raw octets (C-speed ``bytes`` and regex scans, no
+object built) before ``json.loads`` runs; a body over a limit is a 413 ``kvsp-bad-request``
+naming the limit. Each route passes the limits of what it takes (a lookup needs one array of
+keys; a prompt one array of numbers), so parsing time and memory stay a small multiple of what
+a valid body of that route costs.
+
+**Client disconnects.** A client that goes away before its body is complete is not a server
+failure: :func:`read_body` raises :class:`ClientDisconnected` (status 499, logged at info
+without a traceback), which the metrics count under status ``499``, never as a 5xx.
 """
 
 from __future__ import annotations
@@ -13,23 +28,99 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
+import math
 import re
-from typing import Any
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from kvsp.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from kvsp.errors import BadRequest, KVSPError, PayloadTooLarge, UnsupportedMediaType
 from kvsp.ids import check_length
 from kvsp.web.logs import RequestContextMiddleware
 from kvsp.web.metrics import install_metrics
 from kvsp.web.openapi import install_openapi
 
+Octets = bytes | bytearray
+"""A body as read: :func:`read_json` reads into a ``bytearray``."""
 JSON_MEDIA_TYPES = frozenset({"application/kvsp+json", "application/json"})
 MAX_JSON_DEPTH = 64
 UINT32_MAX = 2**32 - 1
 UINT16_MAX = 2**16 - 1
+CLIENT_CLOSED = 499
+"""The status label of a request whose client went away before its body was complete."""
+
+_log = logging.getLogger("kvsp.web.http")
+
+
+class ClientDisconnected(KVSPError):
+    """The client closed the connection before the request body was complete (499).
+
+    Nobody reads the answer; the status is for the access record and the request metrics,
+    which count it apart from server failures.
+    """
+
+    status: ClassVar[int] = CLIENT_CLOSED
+    title: ClassVar[str] = "Client closed request"
+
+
+_DEFAULT_MAX_ITEMS = 1 << 22
+_DEFAULT_MAX_CONTAINERS = 1 << 20
+_ARRAY_SLACK = 1 << 16  # octets of the members beside the array
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JsonLimits:
+    """What one JSON request body may hold: octets, and what parsing it would build.
+
+    ``max_items`` counts values and keys (every array element, object key and member value,
+    and the top value; an empty array or object counts twice);
+    ``max_containers`` arrays and objects; ``max_string`` the octets of one string as sent
+    (escapes included); ``max_number`` the characters of one number. :meth:`for_octets` gives
+    the defaults of a route that says only its octet limit.
+    """
+
+    max_octets: int
+    max_items: int
+    max_containers: int
+    max_depth: int = MAX_JSON_DEPTH
+    max_string: int = 1 << 20
+    max_number: int = 40
+    max_strings: int | None = None
+    """Strings (keys and values); ``None``: up to ``max_items``."""
+
+    @classmethod
+    def for_octets(cls, max_octets: int) -> JsonLimits:
+        """Defaults scaled to ``max_octets``: an item per 4 octets (a short JSON number with
+        its separator), an array or object per 64, never fewer than 1,024 of either nor more
+        than 4M items and 1M arrays and objects; strings up to ``max_octets``."""
+        return cls(
+            max_octets=max_octets,
+            max_items=min(_DEFAULT_MAX_ITEMS, max(1024, max_octets // 4)),
+            max_containers=min(_DEFAULT_MAX_CONTAINERS, max(1024, max_octets // 64)),
+            max_string=max_octets,
+        )
+
+    @classmethod
+    def for_array(
+        cls, max_elements: int, element_octets: int, max_octets: int, *, strings: bool
+    ) -> JsonLimits:
+        """Limits of a body whose bulk is one array of up to ``max_elements`` scalars of about
+        ``element_octets`` each with separator and indentation (block keys, token ids) beside
+        a few members: octets for that (at most ``max_octets``), an item per element, 64
+        arrays and objects, strings of at most 64 KiB, and strings as elements only when
+        ``strings`` (numbers otherwise)."""
+        return cls(
+            max_octets=min(max_octets, max_elements * element_octets + _ARRAY_SLACK),
+            max_items=max_elements + 1024,
+            max_containers=64,
+            max_string=1 << 16,
+            max_strings=max_elements + 1024 if strings else 1024,
+        )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -38,21 +129,37 @@ async def read_body(request: Request, limit: int) -> bytes:
     Raises:
         BadRequest: a Content-Length that is not a decimal integer.
         PayloadTooLarge: the declared or the received length is beyond ``limit``.
+        ClientDisconnected: the client went away before the body was complete.
     """
+    return b"".join([chunk async for chunk in _body_chunks(request, limit)])
+
+
+async def _read_growing(request: Request, limit: int) -> bytearray:
+    """:func:`read_body` into one growing buffer: no second copy of the whole body (large
+    buffers grow in place), so a body costs its own size while it is checked and parsed."""
+    body = bytearray()
+    async for chunk in _body_chunks(request, limit):
+        body += chunk
+    return body
+
+
+async def _body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isascii() or not declared.isdigit():
             raise BadRequest("Content-Length must be a decimal integer", path="Content-Length")
         if len(declared) > 18 or int(declared) > limit:
             raise PayloadTooLarge(f"body of {declared} octets is over the limit of {limit}")
-    chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:  # stop reading at once: the rest is never buffered
-            raise PayloadTooLarge(f"body is over the limit of {limit} octets")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:  # stop reading at once: the rest is never buffered
+                raise PayloadTooLarge(f"body is over the limit of {limit} octets")
+            yield chunk
+    except ClientDisconnect:
+        _log.info("client closed the connection after %d octets of the body", received)
+        raise ClientDisconnected(f"client closed the connection after {received} octets") from None
 
 
 def media_type(content_type: str | None) -> str | None:
@@ -62,17 +169,22 @@ def media_type(content_type: str | None) -> str | None:
     return content_type.split(";", 1)[0].strip().lower() or None
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """Read and parse a JSON request body of at most ``limit`` octets.
+async def read_json(request: Request, limit: int | JsonLimits) -> Any:
+    """Read and parse a JSON request body within ``limit``: octets (with the
+    :meth:`JsonLimits.for_octets` defaults for the rest) or the route's :class:`JsonLimits`.
 
     The media type must be ``application/kvsp+json`` or ``application/json``; a ``charset``
     parameter other than UTF-8 is refused too.
 
     Raises:
         UnsupportedMediaType: another (or no) media type.
-        PayloadTooLarge: the body is over ``limit``.
-        BadRequest: not UTF-8, not JSON, NaN/Infinity, or nested deeper than 64 (path ``$``).
+        PayloadTooLarge: the body is over a limit (octets, items, containers, string or
+            number length), found before it is parsed.
+        BadRequest: not UTF-8, not JSON, a non-finite number, or nested deeper than the
+            limit (path ``$``).
+        ClientDisconnected: the client went away before the body was complete.
     """
+    limits = limit if isinstance(limit, JsonLimits) else JsonLimits.for_octets(limit)
     content_type = request.headers.get("content-type")
     if media_type(content_type) not in JSON_MEDIA_TYPES:
         raise UnsupportedMediaType(
@@ -81,7 +193,7 @@ async def read_json(request: Request, limit: int) -> Any:
     charset = _charset(content_type or "")
     if charset is not None and charset not in ("utf-8", "utf8"):
         raise UnsupportedMediaType(f"JSON bodies are UTF-8, got charset {charset[:40]!r}")
-    return parse_json(await read_body(request, limit))
+    return parse_json(await _read_growing(request, limits.max_octets), limits=limits)
 
 
 def _charset(content_type: str) -> str | None:
@@ -103,7 +215,7 @@ _STEPS[list(b"[{")] = 1
 _STEPS[list(b"]}")] = -1
 
 
-def json_depth(body: bytes) -> int:
+def json_depth(body: Octets) -> int:
     """How deeply ``body`` nests arrays/objects, found without parsing (C and numpy speed).
 
     Exact for valid JSON; for invalid JSON some number the parser then refuses anyway.
@@ -120,25 +232,162 @@ def json_depth(body: bytes) -> int:
     return int(np.cumsum(steps, dtype=np.int32).max())
 
 
-def json_depth_exceeds(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> bool:
+def json_depth_exceeds(body: Octets, max_depth: int = MAX_JSON_DEPTH) -> bool:
     """Whether ``body`` nests arrays/objects deeper than ``max_depth`` (see :func:`json_depth`)."""
     return json_depth(body) > max_depth
 
 
-def parse_json(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse a UTF-8 JSON text strictly (no NaN/Infinity, no BOM, depth ≤ ``max_depth``).
+# A string with its quotes (escaped quotes and backslashes are masked first, see _masked).
+_STRING = re.compile(rb'"[^"]*"')
+# Octets that may be part of a JSON number, mapped to one mark; everything else to another.
+_NUMBER_MARKS = bytes(ord("n") if chr(b) in "+-.0123456789eE" else ord(" ") for b in range(256))
+
+
+def _masked(body: Octets) -> Octets:
+    """``body`` with ``\\\\`` and ``\\"`` replaced by two neutral octets: every quote left
+    delimits a string, and every string keeps its length in octets."""
+    if b"\\" not in body:
+        return body
+    return body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+
+
+def json_prescan(body: Octets, limits: JsonLimits) -> None:
+    """Check ``body`` against ``limits`` without parsing it (see :class:`JsonLimits`).
+
+    Exact for valid JSON; for invalid JSON the counts are what the parser would refuse anyway.
+    The checks run cheapest first, so an over-large body is refused before the costlier ones
+    (string lengths, depth) look at it.
 
     Raises:
+        PayloadTooLarge: over ``max_octets``, ``max_items``, ``max_strings``,
+            ``max_containers``, ``max_string`` or ``max_number``; the detail names the limit.
+        BadRequest: nested deeper than ``max_depth`` (path ``$``).
+    """
+    if len(body) > limits.max_octets:
+        raise PayloadTooLarge(f"body is over the limit of {limits.max_octets} octets")
+    masked = _masked(body)
+    strings = masked.count(b'"') // 2
+    if strings > limits.max_items:  # every string is an item (a key or a value)
+        raise PayloadTooLarge(f"JSON body has more than {limits.max_items} items", path="$")
+    if limits.max_strings is not None and strings > limits.max_strings:
+        raise PayloadTooLarge(f"JSON body has more than {limits.max_strings} strings", path="$")
+    bare: Octets | None = None
+    longest: int | None = None
+    if len(masked) < _LARGE_BODY:  # outside strings at even indices, inside at odd ones
+        parts = masked.split(b'"')
+        bare, longest = b"".join(parts[::2]), max(map(len, parts[1::2]), default=0)
+        del parts
+    containers, items, bare = _structure(masked, strings, bare)
+    if containers > limits.max_containers:
+        raise PayloadTooLarge(
+            f"JSON body has more than {limits.max_containers} arrays and objects", path="$"
+        )
+    if items > limits.max_items:
+        raise PayloadTooLarge(f"JSON body has more than {limits.max_items} items", path="$")
+    if bare is None:  # structure and numbers only, now that the body passed the counts
+        bare = _STRING.sub(b"", masked)
+    if b"n" * (limits.max_number + 1) in bare.translate(_NUMBER_MARKS):
+        raise PayloadTooLarge(
+            f"a JSON number is longer than {limits.max_number} characters", path="$"
+        )
+    if longest is None:  # the octets of all strings together bound each one
+        inside = len(masked) - len(bare)
+        longest = _longest_string(masked) if inside > limits.max_string else inside
+    if longest > limits.max_string:
+        raise PayloadTooLarge(f"a JSON string is longer than {limits.max_string} octets", path="$")
+    if _bare_depth(bare) > limits.max_depth:
+        raise BadRequest(f"JSON nested deeper than {limits.max_depth} levels", path="$")
+
+
+_SCAN_CHUNK = 1 << 22
+_FEW_STRINGS = 64
+_LARGE_BODY = 1 << 20
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_OPENS = frozenset(b"[{")
+
+
+def _structure(masked: Octets, strings: int, bare: Octets | None) -> tuple[int, int, Octets | None]:
+    """(arrays and objects, items, the body without its strings) of a masked body.
+
+    ``bare`` is that body when the caller has it. A large body with few strings is counted
+    without making it (``None`` back): the marks inside its strings are subtracted from
+    whole-body counts, so a refused body never costs twice its size.
+    """
+    if bare is None and strings <= _FEW_STRINGS:
+        spans = [m.span() for m in _STRING.finditer(masked)]
+        opens = sum(_outside(masked, mark, spans) for mark in (b"[", b"{"))
+        separators = sum(_outside(masked, mark, spans) for mark in (b",", b":"))
+        return opens, separators + opens + 1, None
+    if bare is None:
+        bare = _STRING.sub(b"", masked) if strings else masked
+    opens = bare.count(b"[") + bare.count(b"{")
+    return opens, bare.count(b",") + bare.count(b":") + opens + 1, bare
+
+
+def _bare_depth(bare: Octets) -> int:
+    """:func:`json_depth` of a body without its strings (a loop when it has few brackets,
+    numpy otherwise)."""
+    marks = bare.translate(None, _NOT_BRACKETS)
+    if len(marks) > 256:
+        return int(np.cumsum(_STEPS[np.frombuffer(marks, dtype=np.uint8)], dtype=np.int32).max())
+    depth = deepest = 0
+    for mark in marks:
+        depth += 1 if mark in _OPENS else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _outside(masked: Octets, mark: bytes, spans: list[tuple[int, int]]) -> int:
+    total = masked.count(mark)
+    if total:
+        total -= sum(masked.count(mark, start, end) for start, end in spans)
+    return total
+
+
+def _longest_string(masked: Octets) -> int:
+    """The octets inside the longest string of a masked body (quote positions, chunk by chunk,
+    so the scan never holds more than a chunk's worth of flags)."""
+    view = np.frombuffer(masked, dtype=np.uint8)
+    positions = [
+        np.flatnonzero(view[start : start + _SCAN_CHUNK] == ord('"')) + start
+        for start in range(0, view.size, _SCAN_CHUNK)
+    ]
+    quotes = np.concatenate(positions) if positions else np.zeros(0, dtype=np.intp)
+    pairs = quotes.size // 2
+    if pairs == 0:
+        return 0
+    return int((quotes[1 : 2 * pairs : 2] - quotes[0 : 2 * pairs : 2]).max()) - 1
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"JSON number {text[:40]} is not finite", path="$")
+    return value
+
+
+def parse_json(
+    body: Octets, max_depth: int = MAX_JSON_DEPTH, *, limits: JsonLimits | None = None
+) -> Any:
+    """Parse a UTF-8 JSON text strictly (no NaN/Infinity or numbers that overflow to them, no
+    BOM, depth ≤ ``max_depth``), within ``limits`` when given (their ``max_depth`` then
+    applies; see :func:`json_prescan`).
+
+    Raises:
+        PayloadTooLarge: over one of ``limits``.
         BadRequest: with path ``$`` and the position of the first error.
     """
+    if limits is not None:  # first: its scratch copies are gone before the text is made
+        max_depth = limits.max_depth
+        json_prescan(body, limits)
+    elif json_depth_exceeds(body, max_depth):
+        raise BadRequest(f"JSON nested deeper than {max_depth} levels", path="$")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"body is not UTF-8 (octet {exc.start})", path="$") from None
-    if json_depth_exceeds(body, max_depth):
-        raise BadRequest(f"JSON nested deeper than {max_depth} levels", path="$")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise BadRequest(
             f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", path="$"

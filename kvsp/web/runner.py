@@ -4,6 +4,18 @@
 on it with the fast loop and parser when importable (uvloop and httptools move block bodies
 much faster than h11), writes the base URL to a ready file once the server accepts
 connections, and shuts down cleanly on SIGTERM or SIGINT with exit status 0.
+
+**Read timeouts.** uvicorn bounds only the wait between a response and the next request
+(``timeout_keep_alive``); a connection that sends nothing, or a request head one octet at a
+time, or a body that stalls, would hold its socket forever. :func:`bounded_protocol` wraps
+uvicorn's HTTP protocol with three more timers (:class:`ReadTimeouts`): the whole request head
+(request line and fields, counted from the connection's start or the first octet of the next
+request) within ``head_s``; no gap longer than ``body_idle_s`` between two reads of a body the
+app is waiting for; and an idle keep-alive connection closed after ``keep_alive_s``. A partial
+head that runs out of time is answered ``408`` and closed (a connection that sent nothing is
+just closed, as an idle keep-alive one is); a stalled body is closed, and the app sees the
+client go away (:class:`~kvsp.web.http.ClientDisconnected`). A TLS handshake is bounded by
+asyncio's own ``ssl_handshake_timeout`` (60 s), before the head timer starts.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ import asyncio
 import contextlib
 import importlib.util
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -20,11 +33,29 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any, ClassVar
 
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.flow_control import FlowControl
+
+_log = logging.getLogger("kvsp.web.runner")
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReadTimeouts:
+    """How long an HTTP connection may take to send what the server waits for (seconds)."""
+
+    head_s: float = 10.0
+    """The request line and header fields, from the connection's start (or the first octet of
+    a later request on it) to the end of the head."""
+    body_idle_s: float = 30.0
+    """The longest gap between two reads of a request body (not counted while the app has
+    not taken what was read)."""
+    keep_alive_s: int = 5
+    """An idle connection between requests."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,6 +72,8 @@ class ServeConfig:
     log_level: str = "warning"
     graceful_shutdown_s: int = 5
     """How long in-flight requests may run on after a shutdown signal."""
+    timeouts: ReadTimeouts = ReadTimeouts()
+    """Request head, body and keep-alive bounds (:class:`ReadTimeouts`)."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -88,13 +121,112 @@ def write_ready_file(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+_REQUEST_TIMEOUT = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: 21\r\nconnection: close\r\n\r\nrequest head too slow"
+)
+
+
+def http_protocol_class() -> type[asyncio.Protocol]:
+    """uvicorn's HTTP/1.1 protocol: httptools when importable (much faster), else h11."""
+    if importlib.util.find_spec("httptools") is not None:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol
+
+
+class _ReadDeadlines:
+    """The head and body timers, mixed in before a uvicorn HTTP protocol.
+
+    Both uvicorn protocols keep the request being received in ``cycle`` (a new one once a
+    head is complete; ``more_body`` until the body is) and their flow control in ``flow``,
+    so the timers need only watch those around each read.
+    """
+
+    kvsp_timeouts: ClassVar[ReadTimeouts]
+    cycle: Any
+    transport: asyncio.Transport
+    flow: FlowControl
+    _kvsp_timer: asyncio.TimerHandle | None = None
+    _kvsp_partial = False  # some octets of a request head, not all of it, have arrived
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._kvsp_arm(self.kvsp_timeouts.head_s, self._kvsp_head_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._kvsp_cancel()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        super().data_received(data)  # type: ignore[misc]
+        cycle = self.cycle
+        if self.transport.is_closing():
+            self._kvsp_cancel()
+        elif cycle is not None and not cycle.response_complete and cycle.more_body:
+            self._kvsp_arm(self.kvsp_timeouts.body_idle_s, self._kvsp_body_stalled)
+        elif cycle is before and (cycle is None or cycle.response_complete):
+            self._kvsp_partial = True
+            if self._kvsp_timer is None:  # the first octets of a head
+                self._kvsp_arm(self.kvsp_timeouts.head_s, self._kvsp_head_expired)
+        else:  # a complete request: the app has it; uvicorn's keep-alive timer follows it
+            self._kvsp_cancel()
+        if cycle is not before:
+            self._kvsp_partial = False
+
+    def _kvsp_arm(self, delay: float, callback: Callable[[], None]) -> None:
+        self._kvsp_cancel()
+        self._kvsp_timer = asyncio.get_running_loop().call_later(delay, callback)
+
+    def _kvsp_cancel(self) -> None:
+        if self._kvsp_timer is not None:
+            self._kvsp_timer.cancel()
+            self._kvsp_timer = None
+
+    def _kvsp_head_expired(self) -> None:
+        self._kvsp_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or (cycle is not None and not cycle.response_complete):
+            return  # a request is being handled: not a head timeout
+        _log.info("closing a connection: no request head within %s s", self.kvsp_timeouts.head_s)
+        if self._kvsp_partial:  # never on a connection that sent nothing: a client may be
+            self.transport.write(_REQUEST_TIMEOUT)  # about to send on it, and read this
+        self.transport.close()
+
+    def _kvsp_body_stalled(self) -> None:
+        self._kvsp_timer = None
+        cycle = self.cycle
+        if self.transport.is_closing() or cycle is None or not cycle.more_body:
+            return
+        if self.flow.read_paused:  # the app has not taken what was read: not the client's fault
+            self._kvsp_arm(self.kvsp_timeouts.body_idle_s, self._kvsp_body_stalled)
+            return
+        _log.info("closing a connection: its body stalled %s s", self.kvsp_timeouts.body_idle_s)
+        self.transport.close()
+
+
+def bounded_protocol(
+    base: type[asyncio.Protocol], timeouts: ReadTimeouts
+) -> type[asyncio.Protocol]:
+    """``base`` (a uvicorn HTTP protocol class) with the head and body timers of
+    ``timeouts``; pass it to ``uvicorn.Config(http=...)``."""
+    bounded: type[asyncio.Protocol] = type(
+        f"Bounded{base.__name__}", (_ReadDeadlines, base), {"kvsp_timeouts": timeouts}
+    )
+    return bounded
+
+
 def _uvicorn_config(app: ASGIApp, config: ServeConfig) -> uvicorn.Config:
     fast_loop = importlib.util.find_spec("uvloop") is not None
-    fast_http = importlib.util.find_spec("httptools") is not None
     return uvicorn.Config(
         app,
         loop="uvloop" if fast_loop else "asyncio",
-        http="httptools" if fast_http else "h11",
+        http=bounded_protocol(http_protocol_class(), config.timeouts),
+        timeout_keep_alive=config.timeouts.keep_alive_s,
         lifespan="auto",
         access_log=False,
         log_config=None,  # records go to the root logger (kvsp.web.logs formats them)

@@ -60,10 +60,23 @@ def _cmd_compat_id(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scope_key(args: argparse.Namespace) -> bytes:
+    if args.scope_key_file is None:
+        return _hex_arg(args.scope_key, "--scope-key")
+    try:
+        text = args.scope_key_file.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"cannot read --scope-key-file {args.scope_key_file}: {exc}") from None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:  # not echoed: the file holds a secret
+        raise CLIError(f"--scope-key-file {args.scope_key_file}: not hex") from None
+
+
 def _cmd_scope_id(args: argparse.Namespace) -> int:
     from kvsp.keys import scope_id
 
-    print(scope_id(_hex_arg(args.scope_key, "--scope-key")).hex())
+    print(scope_id(_scope_key(args)).hex())
     return 0
 
 
@@ -89,7 +102,7 @@ def _cmd_block_keys(args: argparse.Namespace) -> int:
     from kvsp.keys import block_keys
 
     keys = block_keys(
-        _hex_arg(args.scope_key, "--scope-key"),
+        _scope_key(args),
         parse_compat_id(args.compat_id, "--compat-id"),
         _parse_tokens(args),
         args.block_tokens,
@@ -179,6 +192,19 @@ def _cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_token_audience(args: argparse.Namespace) -> int:
+    from kvsp.audience import audience_credential
+
+    try:
+        token = args.token_file.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"cannot read --token-file {args.token_file}: {exc}") from None
+    if not token:
+        raise CLIError(f"--token-file {args.token_file} is empty")
+    print(audience_credential(token, args.uri))
+    return 0
+
+
 def _cmd_help(parser: argparse.ArgumentParser) -> Handler:
     def show(args: argparse.Namespace) -> int:
         parser.print_help()
@@ -219,7 +245,8 @@ def _add_serve_commands(sub: Any, load: bool) -> None:
             if exc.name not in OPTIONAL_PACKAGES and exc.name != module_name:
                 raise
             continue  # the service needs an optional extra that is not installed
-        p = ssub.add_parser(name, help=help_text)
+        # no abbreviations: "--token SECRET" must not pass for "--token-file SECRET"
+        p = ssub.add_parser(name, help=help_text, allow_abbrev=False)
         add_common_arguments(p, port)
         module.configure_parser(p)
         p.set_defaults(handler=with_logging(module.run))
@@ -273,6 +300,16 @@ def _add_sim_command(sub: Any, load: bool) -> None:
         sub.add_parser("sim", help="replay request traces through the placement policies (§6.4)")
 
 
+def _add_scope_key(p: argparse.ArgumentParser) -> None:
+    key = p.add_mutually_exclusive_group(required=True)
+    key.add_argument("--scope-key-file", type=Path, metavar="FILE", help="the scope key (hex)")
+    key.add_argument(
+        "--scope-key",
+        metavar="HEX",
+        help="the scope key itself (test vectors only: a command line is visible to local users)",
+    )
+
+
 def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.ArgumentParser:
     """Build the ``kvsp`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -287,11 +324,11 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
     p.set_defaults(handler=_cmd_compat_id)
 
     p = sub.add_parser("scope-id", help="§4.2 Scope ID of a scope key (hex16)")
-    p.add_argument("--scope-key", required=True, metavar="HEX")
+    _add_scope_key(p)
     p.set_defaults(handler=_cmd_scope_id)
 
     p = sub.add_parser("block-keys", help="§4.2 Block Keys of a token sequence, one per line")
-    p.add_argument("--scope-key", required=True, metavar="HEX")
+    _add_scope_key(p)
     p.add_argument("--compat-id", required=True, metavar="HEX32")
     p.add_argument("--block-tokens", required=True, type=int, metavar="B")
     group = p.add_mutually_exclusive_group(required=True)
@@ -321,7 +358,7 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
         "--role",
         required=True,
         action="append",
-        choices=["holder", "instance", "pc", "client", "admin", "metrics"],
+        choices=["holder", "instance", "pc", "relay", "client", "admin", "metrics"],
         help="repeat for several roles",
     )
     p.add_argument(
@@ -337,6 +374,16 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
     p.add_argument("--expires-ms", type=int, metavar="MS", help="expiry, ms since the epoch")
     p.add_argument("--replace", action="store_true", help="replace a principal of that name")
     p.set_defaults(handler=_cmd_token)
+    p = sub.add_parser(
+        "token-audience",
+        help="print the credential a token's owner shows to one holder, instance or relay",
+        description="Print the audience credential (for Authorization: Bearer, or a MOQT "
+        "AUTHORIZATION TOKEN) that binds the token in --token-file to URI's origin; it works "
+        "there only, never at the IS or PC.",
+    )
+    p.add_argument("--token-file", required=True, type=Path, metavar="FILE")
+    p.add_argument("uri", metavar="URI", help="the holder, instance or relay (http(s) or moqt)")
+    p.set_defaults(handler=_cmd_token_audience)
     from kvsp.engine.cli import configure_model_parser  # torch is imported by its handlers only
 
     configure_model_parser(sub)

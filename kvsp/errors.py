@@ -293,6 +293,16 @@ class UnsupportedHolder(Incompatible):
     client does not speak (422 ``kvsp-incompatible``)."""
 
 
+class BadAudience(BadRequest):
+    """A URI with no origin that an audience credential could be bound to
+    (:mod:`kvsp.audience`)."""
+
+
+class UnvouchedOrigin(RecordError):
+    """A record that would send a client's credentials to an origin its holder URI does not
+    name (a ``lease_base`` elsewhere); the client refuses it and sends nothing."""
+
+
 # --- control: scale-up and resharding (§6.4, §6.9) ----------------------------------------------
 
 

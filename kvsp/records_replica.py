@@ -14,6 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Self
 
+from kvsp.audience import lease_base_allowed
 from kvsp.errors import RecordError
 from kvsp.fields import Fields
 from kvsp.ids import BlockKey, CompatId, ScopeId, format_digest
@@ -110,7 +111,8 @@ class ReplicaRecord:
     JSON members as in §4.4; ``layer_digests`` are bare hex32, ``digest`` is
     ``"sha-256:<hex32>"``. ``layer_digests`` and ``residency`` are optional but never empty;
     ``moqt_namespace`` is required when ``holder`` is a ``moqt`` URI. ``lease_base`` is our
-    extension member (DESIGN §4): the HTTP base where leases on a relay-held replica are taken.
+    extension member (DESIGN §4): the HTTP base where leases on a relay-held replica are taken,
+    on the holder's origin (its host, for a ``moqt`` holder).
     ``moqt_carriers``, another extension member, lists the holder's MOQT-over-QMux endpoints
     (fastest first); a client uses one only where it names the holder's own host
     (:mod:`kvsp.transfer.moqt_carriers`).
@@ -150,7 +152,13 @@ class ReplicaRecord:
         if namespace is None and uri_scheme(holder) == "moqt":
             # §4.4: a replica served over MOQT has a moqt holder *and* a moqt_namespace.
             raise RecordError("required when holder is a moqt URI", path=f.at("moqt_namespace"))
-        lease_base = f.raw("lease_base", optional=True)
+        raw_lease_base = f.raw("lease_base", optional=True)
+        lease_base = None
+        if raw_lease_base is not None:
+            lease_base = read_uri(raw_lease_base, f.at("lease_base"), HTTP_SCHEMES)
+            # Clients send credentials to lease_base: only to an origin the holder URI names.
+            if not lease_base_allowed(holder, lease_base):
+                raise RecordError("not on the holder's origin", path=f.at("lease_base"))
         carriers = f.raw("moqt_carriers", optional=True)
         if carriers is not None and uri_scheme(holder) != "moqt":
             raise RecordError("only a moqt holder offers carriers", path=f.at("moqt_carriers"))
@@ -168,9 +176,7 @@ class ReplicaRecord:
             moqt_namespace=None
             if namespace is None
             else read_moqt_namespace(namespace, f.at("moqt_namespace")),
-            lease_base=None
-            if lease_base is None
-            else read_uri(lease_base, f.at("lease_base"), HTTP_SCHEMES),
+            lease_base=lease_base,
             moqt_carriers=None
             if carriers is None
             else _read_carriers(carriers, f.at("moqt_carriers")),

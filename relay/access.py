@@ -6,26 +6,30 @@ session's principal for that request. Rules:
 
 * With principals configured, a session whose CLIENT_SETUP carries no valid token is closed
   with UNAUTHORIZED (0x2) right after the setup; nothing is served to anonymous peers.
+* Each request kind needs a role that :data:`kvsp.web.roles.RULES` ``["relay-moqt"]`` allows
+  for it (CLIENT_SETUP included: a ``metrics`` or ``pc`` principal gets no session); reading
+  (SUBSCRIBE, FETCH, TRACK_STATUS, SUBSCRIBE_NAMESPACE) and announcing (PUBLISH_NAMESPACE,
+  PUBLISH) have their own rules.
 * A KV namespace (``"kvsp", "1", compat, scope[, key]``) is allowed when its scope is among
-  the principal's scopes; announcing (PUBLISH_NAMESPACE, PUBLISH) also needs the role
-  ``instance``, ``holder`` or ``admin``.
+  the principal's scopes.
 * A ``kvsp`` namespace that names no single scope, and any plain namespace, are for admins.
 * In open mode (``--open``, no principals) every peer may do everything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from kvsp.audience import origins
 from kvsp.errors import Unauthorized
 from kvsp.moqt_mapping import Scoped, classify
-from kvsp.web.auth import Principal, Principals, has_role, may_use_scope
+from kvsp.web.auth import Principal, Principals, may_use_scope
+from kvsp.web.roles import may_request
 from moqt.messages import AuthToken, TokenAliasType
 from moqt.wire import TrackNamespace
 
 ANONYMOUS = Principal(name="anonymous", roles=frozenset({"admin"}), scopes=None)
 """Everyone, in open mode."""
-PUBLISHER_ROLES = ("instance", "holder")
 
 
 def _bearer(tokens: Sequence[AuthToken]) -> str | None:
@@ -37,6 +41,17 @@ def _bearer(tokens: Sequence[AuthToken]) -> str | None:
             except UnicodeDecodeError:
                 return "Bearer \x00"  # never matches: reported as an unknown token
     return None
+
+
+def bind_audiences(
+    principals: Principals | None, own_uris: Callable[[], Iterable[str | None]]
+) -> Principals | None:
+    """``principals`` accepting audience credentials (:mod:`kvsp.audience`) for the relay's own
+    URIs as ``own_uris()`` names them once it listens: its ``moqt://`` URI, its QMux carriers
+    and its HTTP face. A credential for the ``moqt://`` URI works on every carrier."""
+    if principals is None:
+        return None
+    return principals.with_audiences(lambda: origins(own_uris()))
 
 
 def authenticate(
@@ -68,14 +83,27 @@ def request_principal(
     return principals.authenticate(_bearer(tokens), now_ms)
 
 
-def may_access(principal: Principal, namespace: TrackNamespace, *, publish: bool = False) -> bool:
-    """Whether ``principal`` may use ``namespace`` (to read, or with ``publish`` to announce)."""
+def may_access(
+    principal: Principal,
+    namespace: TrackNamespace,
+    *,
+    publish: bool = False,
+    request: str | None = None,
+) -> bool:
+    """Whether ``principal`` may use ``namespace`` with the MOQT request kind ``request``
+    (default: ``PUBLISH`` with ``publish``, else ``SUBSCRIBE``): the kind's role rule, then
+    the namespace's scope."""
+    if not may_request(principal, request or ("PUBLISH" if publish else "SUBSCRIBE")):
+        return False
     kind = classify(namespace)
     if isinstance(kind, Scoped):
-        if publish and not has_role(principal, *PUBLISHER_ROLES):
-            return False
         return may_use_scope(principal, kind.scope_id)
     return "admin" in principal.roles
+
+
+def may_open_session(principal: Principal) -> bool:
+    """Whether ``principal`` may hold a MOQT session at the relay (its CLIENT_SETUP)."""
+    return may_request(principal, "CLIENT_SETUP")
 
 
 def check(principal: Principal, namespace: TrackNamespace, *, publish: bool = False) -> None:

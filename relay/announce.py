@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvsp.moqt_mapping import Scoped, classify
 from kvsp.web.auth import Principal
+from kvsp.web.roles import may_request
 from moqt.errors import PublishDoneCode, RequestErrorCode
 from moqt.messages import AuthToken, SubscribeOptions
 from moqt.session_events import (
@@ -44,6 +45,9 @@ from .routing import NamespaceRoutes, NamespaceSubscribers, is_prefix
 from .track import RelayedTrack
 
 log = logging.getLogger(__name__)
+_NOTICE = "SUBSCRIBE_NAMESPACE"
+"""What a namespace subscriber hears of (NAMESPACE, NAMESPACE_DONE, offered PUBLISHes) is
+filtered by the rule of its SUBSCRIBE_NAMESPACE."""
 
 
 class Announcements:
@@ -64,7 +68,8 @@ class Announcements:
         message = event.message
         namespace = message.track_namespace
         tokens = message.parameters.authorization_tokens
-        if self._allowed(peer, event.request_id, namespace, tokens, publish=True) is None:
+        kind = "PUBLISH_NAMESPACE"
+        if self._allowed(peer, event.request_id, namespace, tokens, request=kind) is None:
             return
         peer.namespaces[event.request_id] = namespace
         fresh = self.routes.announce(namespace, peer)
@@ -84,7 +89,10 @@ class Announcements:
         prefix, rid = message.track_namespace_prefix, event.request_id
         principal = self._principal(peer, message.parameters.authorization_tokens)
         scoped = isinstance(classify(prefix), Scoped)
-        if principal is None or (scoped and not access.may_access(principal, prefix)):
+        if principal is None or not may_request(principal, "SUBSCRIBE_NAMESPACE"):
+            refuse(peer, rid, RequestErrorCode.UNAUTHORIZED, "not authorized")
+            return
+        if scoped and not access.may_access(principal, prefix, request="SUBSCRIBE_NAMESPACE"):
             refuse(peer, rid, RequestErrorCode.UNAUTHORIZED, "not authorized")
             return
         if self.ns_subscribers.overlaps(peer, prefix):
@@ -97,7 +105,7 @@ class Announcements:
         if message.subscribe_options != SubscribeOptions.PUBLISH:
             for namespace in self.routes.under(prefix):
                 others = [s for s in self.routes.sources_of(namespace) if s is not peer]
-                if others and access.may_access(principal, namespace):
+                if others and access.may_access(principal, namespace, request=_NOTICE):
                     session.namespace(rid, namespace[len(prefix) :])
         peer.connection.transmit()
         for track in list(self.tracks.values()):
@@ -114,7 +122,9 @@ class Announcements:
         known = peer.ns_subscriptions.get(ns_request_id)
         if known is None or known[1] == SubscribeOptions.NAMESPACE:
             return
-        if track.source is peer.connection or not access.may_access(known[0], track.key[0]):
+        if track.source is peer.connection or not access.may_access(
+            known[0], track.key[0], request=_NOTICE
+        ):
             return
         try:
             request_id = peer.connection.session.publish(
@@ -149,7 +159,7 @@ class Announcements:
             known = peer.ns_subscriptions.get(sub.request_id)
             if peer is origin or known is None or known[1] == SubscribeOptions.PUBLISH:
                 continue
-            if not access.may_access(known[0], namespace):
+            if not access.may_access(known[0], namespace, request=_NOTICE):
                 continue
             with contextlib.suppress(LocalProtocolError):
                 if done:

@@ -2,7 +2,7 @@
 
 Usage (``python -m relay.app`` takes the same options)::
 
-    kvsp serve relay --listen 127.0.0.1:4443 [--cert C --key K] [--index URL --token T]
+    kvsp serve relay --listen 127.0.0.1:4443 [--cert C --key K] [--index URL --token-file F]
                      [--qmux-listen HOST:PORT|off] [--qmux-tcp-listen HOST:PORT]
                      [--qmux-unix PATH] [--trusted-network]
                      [--upstream moqt://origin:4443/ --upstream-cafile PEM]
@@ -21,7 +21,7 @@ Usage (``python -m relay.app`` takes the same options)::
   token). ``--open`` runs without principals (interop testing): every peer may do everything.
 * The HTTP holder face (leases, healthz) listens on ``--http-listen`` (TCP, default port 0).
 * ``--index URL`` makes it a KVSP holder: every complete stored replica track in its cache is
-  published there as a Replica Record (token ``--token`` or ``--token-file``); without it the
+  published there as a Replica Record (its token read from ``--token-file``); without it the
   relay only relays and caches.
 * ``--ready-file F`` receives, once both listeners are up, one JSON line::
 
@@ -46,6 +46,7 @@ from pathlib import Path
 
 from cryptography import x509
 
+from kvsp.audience import audience_credential
 from kvsp.errors import BadRequest, KVSPError
 from kvsp.leases import LeaseQuota
 from kvsp.transfer.moqt_carriers import is_loopback
@@ -57,6 +58,7 @@ from kvsp.web.cliargs import (
     parse_listen,
     positive_int,
     positive_size,
+    read_timeouts,
 )
 from kvsp.web.clock import SystemClock
 from kvsp.web.runner import write_ready_file
@@ -128,7 +130,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--upstream-cafile", type=Path, metavar="PEM", help="pin the upstream's certificate")
     add("--upstream-insecure", action="store_true", help="do not verify the upstream (tests)")
     add("--index", metavar="URL", help="Index Service to publish Replica Records at")
-    add("--token", metavar="TOKEN", help="bearer token for the Index Service")
     add("--token-file", type=Path, metavar="FILE", help="file holding the IS token")
     add("--public-url", metavar="URL", help="moqt:// URI named in records (default: its own)")
     add(
@@ -197,7 +198,9 @@ def _upstream(args: argparse.Namespace) -> UpstreamConfig | None:
         raise BadRequest(f"--upstream: {exc}") from None
     token = None
     if args.upstream_token_file is not None:
-        token = _read_secret(args.upstream_token_file, "--upstream-token-file")
+        secret = _read_secret(args.upstream_token_file, "--upstream-token-file")
+        # The upstream relay gets a credential for its own URI, never the token itself.
+        token = audience_credential(secret, args.upstream)
     return UpstreamConfig(
         url=args.upstream,
         token=token,
@@ -216,14 +219,12 @@ def _principals(args: argparse.Namespace) -> Principals | None:
 
 
 def _index_token(args: argparse.Namespace) -> str | None:
-    if args.token is not None and args.token_file is not None:
-        raise BadRequest("give --token or --token-file, not both")
-    if args.index is None and (args.token is not None or args.token_file is not None):
-        raise BadRequest("--token needs --index")
+    # Secrets come from files only: a command line is readable by every local user.
+    if args.index is None and args.token_file is not None:
+        raise BadRequest("--token-file needs --index")
     if args.token_file is not None:
         return _read_secret(args.token_file, "--token-file")
-    token: str | None = args.token
-    return token
+    return None
 
 
 def relay_config(args: argparse.Namespace) -> RelayConfig:
@@ -284,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
             max_ttl_ms=args.lease_max_ttl_ms,
             max_leases_per_client=args.lease_max_count,
         ),
+        capacity=config.cache_bytes,
     )
     http_host, http_port = parse_listen(args.http_listen)
     asyncio.run(_serve(args, config, holder_config, token, (http_host, http_port)))
@@ -316,6 +318,7 @@ async def _serve(
             certfile=str(args.cert) if tls else None,
             keyfile=str(args.key) if tls else None,
             log_level=args.log_level,
+            timeouts=read_timeouts(args),
         )
         holder.lease_base = face.url
         relay = Relay(config, holder=holder, clock=clock)
@@ -340,7 +343,10 @@ async def _serve(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m relay.app``: the same options as ``kvsp serve relay``."""
-    parser = argparse.ArgumentParser(prog="relay", description=__doc__.splitlines()[0])
+    # no abbreviations: "--token SECRET" must not pass for "--token-file SECRET"
+    parser = argparse.ArgumentParser(
+        prog="relay", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     add_common_arguments(parser, DEFAULT_PORT)
     configure_parser(parser)
     args = parser.parse_args(argv)

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Collection, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -126,7 +126,9 @@ class Relay(Announcements):
         self.config = config
         self.clock = clock or SystemClock()
         self.cache = ObjectCache(config.cache_bytes, tombstone_ms=config.tombstone_ms)
-        self.holder = holder or RelayHolder(HolderConfig(), self.clock)
+        self.holder = holder or RelayHolder(HolderConfig(capacity=config.cache_bytes), self.clock)
+        principals = access.bind_audiences(config.principals, self._own_uris)
+        self.config = replace(config, principals=principals)
         self.routes: NamespaceRoutes[Peer] = NamespaceRoutes()
         self.ns_subscribers: NamespaceSubscribers[Peer] = NamespaceSubscribers()
         self.tracks: dict[TrackKey, RelayedTrack] = {}
@@ -167,6 +169,11 @@ class Relay(Announcements):
         }
 
     # --- life ----------------------------------------------------------------------------------
+
+    def _own_uris(self) -> list[str | None]:
+        """The URIs this relay is known by (the audiences of the credentials it accepts)."""
+        holder = self.holder
+        return [self.url, *self.carriers, holder.holder_url, holder.lease_base, *holder.carriers]
 
     async def start(self) -> str:
         """Listen; returns the relay's ``moqt://host:port/`` URL."""
@@ -272,6 +279,9 @@ class Relay(Announcements):
         except Unauthorized:
             connection.close(SessionError.UNAUTHORIZED, "a valid AUTHORIZATION TOKEN is needed")
             return
+        if not access.may_open_session(principal):
+            connection.close(SessionError.UNAUTHORIZED, "this principal may not use the relay")
+            return
         await self._run_peer(Peer(connection, principal))
 
     async def _serve_upstream(self, connection: MOQTConnection) -> None:
@@ -342,15 +352,16 @@ class Relay(Announcements):
         namespace: TrackNamespace,
         tokens: tuple[AuthToken, ...],
         *,
-        publish: bool = False,
+        request: str,
     ) -> Principal | None:
+        publish = request in ("PUBLISH", "PUBLISH_NAMESPACE")
         if peer.upstream:  # the upstream relay reads what we announced to it, nothing else
             if publish or self._upstream is None or not self._upstream.covers(namespace):
                 refuse(peer, request_id, RequestErrorCode.UNAUTHORIZED, "not authorized")
                 return None
             return peer.principal
         principal = self._principal(peer, tokens)
-        if principal is None or not access.may_access(principal, namespace, publish=publish):
+        if principal is None or not access.may_access(principal, namespace, request=request):
             # the same answer whether or not anything of that namespace is cached here
             refuse(peer, request_id, RequestErrorCode.UNAUTHORIZED, "not authorized")
             return None
@@ -374,7 +385,7 @@ class Relay(Announcements):
         message = event.message
         key = (message.track_namespace, message.track_name)
         tokens = message.parameters.authorization_tokens
-        if self._allowed(peer, event.request_id, key[0], tokens) is None:
+        if self._allowed(peer, event.request_id, key[0], tokens, request="SUBSCRIBE") is None:
             return
         if self.cache.is_malformed(key, self.clock.now_ms()):
             refuse(peer, event.request_id, RequestErrorCode.MALFORMED_TRACK, "malformed")
@@ -434,7 +445,7 @@ class Relay(Announcements):
         message = event.message
         key = (message.track_namespace, message.track_name)
         tokens = message.parameters.authorization_tokens
-        if self._allowed(peer, event.request_id, key[0], tokens, publish=True) is None:
+        if self._allowed(peer, event.request_id, key[0], tokens, request="PUBLISH") is None:
             return
         if self.cache.is_malformed(key, self.clock.now_ms()):
             refuse(peer, event.request_id, RequestErrorCode.MALFORMED_TRACK, "malformed")
@@ -464,7 +475,8 @@ class Relay(Announcements):
     def _on_track_status(self, peer: Peer, event: TrackStatusReceived) -> None:
         message = event.message
         tokens = message.parameters.authorization_tokens
-        if self._allowed(peer, event.request_id, message.track_namespace, tokens) is None:
+        namespace = message.track_namespace
+        if self._allowed(peer, event.request_id, namespace, tokens, request="TRACK_STATUS") is None:
             return
         entry = self.cache.track((message.track_namespace, message.track_name))
         largest = None if entry is None else entry.largest
@@ -485,7 +497,7 @@ class Relay(Announcements):
             return
         key = (target.track_namespace, target.track_name)
         tokens = event.message.parameters.authorization_tokens
-        if self._allowed(peer, rid, key[0], tokens) is None:
+        if self._allowed(peer, rid, key[0], tokens, request="FETCH") is None:
             return
         plan = self.cache.lookup(key, target.start, target.end, self.clock.now_ms())
         if plan is Malformed.TRACK:
@@ -507,7 +519,7 @@ class Relay(Announcements):
             refuse(peer, rid, code, "not an accepted subscription")
             return
         tokens = event.message.parameters.authorization_tokens
-        if self._allowed(peer, rid, joined.track_namespace, tokens) is None:
+        if self._allowed(peer, rid, joined.track_namespace, tokens, request="FETCH") is None:
             return
         largest = downstream.joined_at
         start = None

@@ -16,6 +16,7 @@ import re
 import uuid
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from hypothesis import given, settings
@@ -942,13 +943,13 @@ def test_kv_namespace_and_round_trip() -> None:
         **spec_replica(),
         "holder": MOQT,
         "moqt_namespace": text,
-        "lease_base": "https://r.example/",
+        "lease_base": "https://relay.example/",
     }
     record = ReplicaRecord.from_json(obj)
     assert record.namespace_fields == fields
     assert record.moqt_namespace == b"".join(bytes([len(f)]) + f for f in fields)
     assert record.to_json()["moqt_namespace"] == text
-    assert record.lease_base == "https://r.example/"
+    assert record.lease_base == "https://relay.example/"
 
 
 def test_moqt_carriers_are_read_and_written() -> None:
@@ -1070,6 +1071,14 @@ carrier_uris = st.sampled_from(
 carrier_lists = st.lists(carrier_uris, min_size=1, max_size=8, unique=True).map(tuple)
 
 
+def _lease_base_on(holder: str) -> str:
+    # lease_base must be on the holder's origin (its host, for a moqt holder)
+    parts = urlsplit(holder)
+    if parts.scheme == "moqt":
+        return "http://relay.example:8/"
+    return f"{parts.scheme}://{parts.netloc}/leases/"
+
+
 @st.composite
 def replica_records(draw: st.DrawFn) -> ReplicaRecord:
     layer_digests = draw(st.none() | st.lists(hex32s, min_size=1, max_size=40).map(tuple))
@@ -1090,7 +1099,7 @@ def replica_records(draw: st.DrawFn) -> ReplicaRecord:
         moqt_namespace=None
         if namespace is None
         else b"".join(bytes([len(f)]) + f for f in namespace),
-        lease_base=draw(st.none() | uris),
+        lease_base=draw(st.none() | st.just(_lease_base_on(holder))),
         moqt_carriers=None if namespace is None else draw(st.none() | carrier_lists),
     )
 

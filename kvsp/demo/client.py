@@ -23,6 +23,7 @@ import httpx
 
 from kvsp.ids import BlockKey, CompatId, ScopeId, uri_id
 from kvsp.keys import block_keys
+from kvsp.web.client import AudienceAuth
 
 PROBLEM = "urn:ietf:params:kvsp:problem:"
 T = TypeVar("T")
@@ -79,12 +80,9 @@ class DemoClient:
         self.compat = compat
         self.block_tokens = block_tokens
         timeout = httpx.Timeout(60.0, connect=5.0)
-        self._client = httpx.Client(
-            headers={"authorization": f"Bearer {client_token}"}, timeout=timeout
-        )
-        self._admin = httpx.Client(
-            headers={"authorization": f"Bearer {admin_token}"}, timeout=timeout
-        )
+        # the tokens go to the control plane only; instances get audience credentials
+        self._client = httpx.Client(auth=AudienceAuth(client_token, [control]), timeout=timeout)
+        self._admin = httpx.Client(auth=AudienceAuth(admin_token, [control]), timeout=timeout)
 
     def __enter__(self) -> DemoClient:
         return self

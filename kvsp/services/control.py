@@ -53,6 +53,7 @@ from kvsp.web.cliargs import load_principals, serve_config
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import install_operations
 from kvsp.web.problems import install_problem_handlers
+from kvsp.web.roles import install_roles
 from kvsp.web.runner import serve
 
 STATUS_PATH = "/instances/{instance_id}/status"
@@ -96,8 +97,8 @@ class LocalIndex:
 
     async def put_status(self, record: InstanceStatusRecord, now_ms: int) -> None:
         """Keep the record in the IS's status table until it expires (a lower epoch than the
-        table has is dropped there too)."""
-        await self._index.store.put_status(record, now_ms + record.ttl_ms)
+        table has is dropped there too, unless that one is poisoned)."""
+        await self._index.keep_status(record, now_ms)
 
     async def descriptor(self, compat_id: bytes) -> CompatibilityDescriptor | None:
         """The descriptor from the shared registry."""
@@ -127,6 +128,8 @@ def create_control_app(
         max_ttl_ms=config.max_ttl_ms,
         descriptors=descriptors,
         max_lookup_keys=config.max_lookup_keys,
+        max_records_per_holder=config.max_records_per_holder,
+        max_epoch_skew_ms=config.max_epoch_skew_ms,
     )
     policy = SleepPolicy(
         threshold_load=pc_settings.sleep_threshold, min_low_ms=pc_settings.sleep_after_ms
@@ -169,6 +172,7 @@ def create_control_app(
     app.state.clock = clock
     app.state.index = index
     app.state.pc = pc
+    install_roles(app, "control")
     install_problem_handlers(app)
     install_operations(app, "control", "KVSP control plane (Index Service and PC)")
     return app

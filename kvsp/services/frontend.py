@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from kvsp.audience import AudienceSigner
 from kvsp.compat import compat_id
 from kvsp.errors import BadRequest, NotActive, NotFound, SessionFailed, TransportError
 from kvsp.ids import CompatId, ScopeId, parse_compat_id, parse_scope_id
@@ -157,6 +158,7 @@ class FrontEnd:
         self._owns_client = client is None
         self._http = client or httpx.AsyncClient(timeout=timeout)
         self._token = token
+        self._signer = AudienceSigner(token)
         self.pc = PCClient(pc_url, token, client=self._http)
         self.current: str | None = None
         """The instance whose stream is being read now."""
@@ -201,10 +203,12 @@ class FrontEnd:
 
     # -- plumbing used by _Run -------------------------------------------------------------------
 
-    def _headers(self, accept: str) -> dict[str, str]:
+    def _headers(self, accept: str, url: str) -> dict[str, str]:
         headers = {"accept": f"{accept}, {PROBLEM_JSON}"}
-        if self._token is not None:
-            headers["authorization"] = f"Bearer {self._token}"
+        # An instance gets a credential for its own origin, never the token (kvsp.audience).
+        authorization = self._signer.authorization(url)
+        if authorization is not None:
+            headers["authorization"] = authorization
         return headers
 
     def place_request(self, session: uuid.UUID, prompt: Sequence[int]) -> PlaceRequest:
@@ -233,7 +237,7 @@ class FrontEnd:
     async def _read(
         self, url: str, method: str, body: Any, queue: asyncio.Queue[tuple[str, Any]]
     ) -> None:
-        headers = self._headers(NDJSON)
+        headers = self._headers(NDJSON, url)
         content = None
         if body is not None:
             headers["content-type"] = KVSP_JSON

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import re
 import time
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Self
 import httpx
 
 from kvsp import sha256x2
+from kvsp.audience import AudienceSigner, lease_base_allowed
 from kvsp.container import Geometry, header_fields
 from kvsp.container_reader import LayerSink
 from kvsp.errors import (
@@ -37,6 +39,7 @@ from kvsp.errors import (
     KVSPError,
     RemoteError,
     UnsupportedHolder,
+    UnvouchedOrigin,
 )
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import LeaseGrant, LeaseRenewal, LeaseRequest, ReplicaRecord, loads
@@ -63,6 +66,7 @@ BLOCK_MEDIA_TYPE = "application/kvsp-block"
 MAX_ERROR_BODY = 64 * 1024
 MAX_JSON_BODY = 1 << 20
 _LEASE_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+log = logging.getLogger(__name__)
 _SLICED = ("slices", "inline", "paired")  # the placements SliceBody serves
 INLINE_BELOW = 256 * 1024
 """Bodies shorter than this are hashed on the event loop as they arrive: handing a small
@@ -160,7 +164,12 @@ def lease_base(record: ReplicaRecord) -> str:
 
     Raises:
         UnsupportedHolder: neither is an ``http``/``https`` URI.
+        UnvouchedOrigin: ``lease_base`` is not on the holder's origin (the IS refuses such a
+            record; a client refuses it too, whatever its source, and sends nothing there).
     """
+    if record.lease_base is not None and not lease_base_allowed(record.holder, record.lease_base):
+        log.warning("refused a record whose lease_base is not on its holder's origin")
+        raise UnvouchedOrigin("not on the holder's origin", path="$.lease_base")
     return _http_base(record.lease_base or record.holder)
 
 
@@ -241,7 +250,8 @@ class BlockClient:
         buffers: BufferPool | None = None,
         inline_below: int = INLINE_BELOW,
     ) -> None:
-        self._auth = {} if token is None else {"authorization": f"Bearer {token}"}
+        # Holders get a credential for their own origin, never the token (kvsp.audience).
+        self._signer = AudienceSigner(token)
         self.moqt = moqt
         self._owns_bulk = bulk is None
         self.bulk = bulk or BulkClient(timeout=timeout)
@@ -332,7 +342,7 @@ class BlockClient:
                 return BytesBody(length, MAX_ERROR_BODY)
             return self._verifying_body(plan, _repr_digest_of(head), length, sink)
 
-        headers = {**self._auth, "accept": f"{BLOCK_MEDIA_TYPE}, {PROBLEM_JSON}"}
+        headers = {**self._auth(url), "accept": f"{BLOCK_MEDIA_TYPE}, {PROBLEM_JSON}"}
         response = await self.bulk.request("GET", url, headers=headers, consumer=consumer)
         body = response.body
         if not isinstance(body, VerifyingBody | SliceBody):
@@ -433,7 +443,7 @@ class BlockClient:
         digest = await asyncio.to_thread(_sha256_parts, parts)
         url = f"{_http_base(holder_base)}blocks/{compat.hex()}/{scope.hex()}/{key.hex()}"
         headers = {
-            **self._auth,
+            **self._auth(url),
             "content-type": BLOCK_MEDIA_TYPE,
             "if-none-match": "*",
             "repr-digest": repr_digest(digest),
@@ -448,6 +458,11 @@ class BlockClient:
         if response.status == 412:
             return False
         raise _error_of(response)
+
+    def _auth(self, url: str) -> dict[str, str]:
+        """The ``Authorization`` field for a request to ``url``: a credential for its origin."""
+        value = self._signer.authorization(url)
+        return {} if value is None else {"authorization": value}
 
     async def acquire_lease(self, holder_base: str, request: LeaseRequest) -> LeaseGrant:
         """POST leases (§6.6): protect the request's blocks at the holder for ``ttl_ms``.
@@ -480,7 +495,7 @@ class BlockClient:
         await self._json("DELETE", _lease_url(holder_base, lease), None)
 
     async def _json(self, method: str, url: str, body: Any) -> Any:
-        headers = {**self._auth, "accept": f"{KVSP_JSON}, {PROBLEM_JSON}"}
+        headers = {**self._auth(url), "accept": f"{KVSP_JSON}, {PROBLEM_JSON}"}
         content = None
         if body is not None:
             headers["content-type"] = KVSP_JSON

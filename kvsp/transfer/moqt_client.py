@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Self
 
+from kvsp.audience import AudienceSigner, canonical_origin
 from kvsp.container import Geometry, Layer, mismatch, replica_digest
 from kvsp.container_reader import LayerSink
 from kvsp.errors import LayersUnavailable, TransportError
@@ -80,6 +81,16 @@ CARRIER_RETRY_S = 30.0  # a QMux carrier that failed is skipped (QUIC used) this
 log = logging.getLogger(__name__)
 
 
+def address_origin(address: MoqtAddress) -> str:
+    """The audience (:func:`kvsp.audience.canonical_origin`) of a MOQT address: the URI it
+    was read from, reduced to its origin (a ``moqt+unix`` socket keeps its path)."""
+    host = f"[{address.host}]" if ":" in address.host else address.host
+    if address.carrier == "unix":
+        return canonical_origin(f"moqt+unix://{host}{address.socket_path or '/'}")
+    scheme = "moqt" if address.carrier == "quic" else f"moqt+{address.carrier}"
+    return canonical_origin(f"{scheme}://{host}:{address.port}")
+
+
 class MoqtBlockClient:
     """Gets blocks from ``moqt://`` holders, verified as §6.7 asks (use ``async with``).
 
@@ -108,7 +119,9 @@ class MoqtBlockClient:
         self.backend = backend
         self.transport = transport
         self.policy = policy or CarrierPolicy()
-        self._token = auth_token.encode() if isinstance(auth_token, str) else auth_token
+        token = auth_token.decode("ascii") if isinstance(auth_token, bytes) else auth_token
+        # The raw token goes to the control plane only; a holder gets a credential for itself.
+        self._signer = AudienceSigner(token)
         self.timeout = timeout
         self.hash_inline_below = HASH_INLINE_BELOW
         """FETCHes of fewer octets are hashed on the event loop; larger ones in batches of
@@ -150,8 +163,10 @@ class MoqtBlockClient:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def connection(self, address: MoqtAddress) -> MOQTConnection:
-        """The pooled session to ``address`` (connecting when there is none or it ended).
+    async def connection(self, address: MoqtAddress, audience: str | None = None) -> MOQTConnection:
+        """The pooled session to ``address`` (connecting when there is none or it ended),
+        authenticated with a credential for ``audience`` (default: ``address``'s own origin;
+        :mod:`kvsp.audience`).
 
         Raises:
             TransportError: the handshake or the MOQT setup failed or timed out.
@@ -167,7 +182,8 @@ class MoqtBlockClient:
                     await entry[0].aclose()
             stack = contextlib.AsyncExitStack()
             try:
-                connection = await asyncio.wait_for(self._open(stack, address), self.timeout)
+                opening = self._open(stack, address, audience or address_origin(address))
+                connection = await asyncio.wait_for(opening, self.timeout)
             except (OSError, TimeoutError, SessionClosedError, ConnectionError, ValueError) as exc:
                 await stack.aclose()
                 raise TransportError(f"no MOQT session with {address}: {exc!r}") from exc
@@ -184,14 +200,16 @@ class MoqtBlockClient:
             TransportError: the last candidate failed too.
         """
         now = time.monotonic()
+        # Every carrier is the holder's (the last candidate): one credential, for its URI.
+        audience = address_origin(candidates[-1])
         tried = [a for a in candidates[:-1] if now - self._failed.get(a, -1e9) > CARRIER_RETRY_S]
         for address in tried:
             try:
-                return address, await self.connection(address)
+                return address, await self.connection(address, audience)
             except TransportError as exc:
                 log.warning("MOQT carrier %s failed, trying the next one: %s", address, exc)
                 self._failed[address] = time.monotonic()
-        return candidates[-1], await self.connection(candidates[-1])
+        return candidates[-1], await self.connection(candidates[-1], audience)
 
     def candidates(self, holder: str, record: ReplicaRecord | None) -> tuple[MoqtAddress, ...]:
         """Where to reach ``holder``: the carriers ``record`` offers for it, then QUIC."""
@@ -200,14 +218,16 @@ class MoqtBlockClient:
             carriers = record.moqt_carriers
         return carrier_candidates(holder, carriers, self.policy)
 
-    async def _open(self, stack: contextlib.AsyncExitStack, address: MoqtAddress) -> MOQTConnection:
+    async def _open(
+        self, stack: contextlib.AsyncExitStack, address: MoqtAddress, audience: str
+    ) -> MOQTConnection:
         options = SessionOptions(
             cafile=self.cafile,
             verify=self.verify,
             server_name=self.server_name,
             backend=self.backend,
             transport=self.transport,
-            token=self._token,
+            token=self._signer.credential(audience),
             timeout=self.timeout,
             policy=self.policy,
         )

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsp.audience import AudienceSigner
 from kvsp.errors import KVSPError
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.index import ReplicaIndex
@@ -50,7 +51,7 @@ from kvsp.transfer.moqt_carriers import (
     check_allowed,
     open_session,
 )
-from kvsp.transfer.moqt_client import MoqtBlockClient
+from kvsp.transfer.moqt_client import MoqtBlockClient, address_origin
 from kvsp.transfer.moqt_publisher import BlockSource, MemoryBlocks, MoqtBlockPublisher, StoredBlock
 from kvsp.transfer.moqt_transfer import parse_moqt_uri
 from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError
@@ -58,6 +59,8 @@ from moqt.backend import BACKENDS, DEFAULT_DATAGRAM_SIZE, TransportConfig, trans
 from moqt.wire import Location
 
 log = logging.getLogger(__name__)
+OFFLOAD_OCTETS = 1 << 20
+"""Blocks this large are read and checked (:meth:`BlockStore.container`) in a worker thread."""
 _Item = tuple[CompatId, ScopeId, BlockKey | None]  # a block to push, or (key None) a scope
 
 
@@ -69,7 +72,8 @@ class RelayLinkConfig:
     """The relay's URI: ``moqt://host:port/`` (QUIC), or a QMux carrier (``moqt+tls://``,
     ``moqt+tcp://``, ``moqt+unix://localhost/path.sock``) to publish over."""
     token: str | None = None
-    """Bearer token sent as the AUTHORIZATION TOKEN setup parameter (role instance/holder)."""
+    """Bearer token (role instance/holder); the AUTHORIZATION TOKEN setup parameter carries
+    its audience credential for ``url`` (:mod:`kvsp.audience`), not the token itself."""
     cafile: str | None = None
     """PEM certificate(s) to pin (the relay's self-signed ``relay-tls/cert.pem``)."""
     verify: bool = True
@@ -98,11 +102,16 @@ class HolderBlocks:
         if stored is None or not stored.meta.complete or stored.meta.codec != Codec.RAW:
             return None
         meta = stored.meta
+        # a disk-tier block is read and hashed before it is served: off the loop when large
+        if meta.size >= OFFLOAD_OCTETS:
+            container = await asyncio.to_thread(self.store.container, stored)
+        else:
+            container = self.store.container(stored)
         return StoredBlock(
             compat=compat,
             scope=scope,
             key=key,
-            container=self.store.container(stored),
+            container=container,
             layer_digests=meta.layer_digests,
             digest=meta.digest,
         )
@@ -181,7 +190,8 @@ class RelayLink:
             verify=cfg.verify,
             backend=cfg.backend,
             transport=cfg.transport,
-            token=None if cfg.token is None else cfg.token.encode(),
+            # A credential for the relay's URI, never the token (which opens the IS and PC).
+            token=AudienceSigner(cfg.token).credential(address_origin(self.address)),
             timeout=cfg.timeout_s,
             policy=CarrierPolicy(qmux=cfg.qmux, trusted_network=cfg.trusted_network),
         )

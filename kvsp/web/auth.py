@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import tomllib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -25,11 +25,13 @@ from typing import Any
 
 from starlette.requests import Request
 
+from kvsp.audience import key_id, split_credential, verify_mac
 from kvsp.errors import BadRequest, Forbidden, Unauthorized
 from kvsp.web.clock import Clock
 
-ROLES = frozenset({"holder", "instance", "pc", "client", "admin", "metrics"})
-"""``metrics`` may only read ``/metrics`` (:mod:`kvsp.web.metrics`); admin has every role."""
+ROLES = frozenset({"holder", "instance", "pc", "relay", "client", "admin", "metrics"})
+"""The roles a principal may have; what each may call is :data:`kvsp.web.roles.RULES`
+(``metrics`` reads only ``/metrics``; admin may do everything)."""
 ALL_SCOPES = "*"
 PRINCIPALS_FILE = "principals.toml"
 ADMIN_TOKEN_FILE = "admin.token"
@@ -59,15 +61,25 @@ class Principal:
 class Principals:
     """The principals known to a service, looked up by the SHA-256 of their bearer token."""
 
-    __slots__ = ("_by_hash",)
+    __slots__ = ("_audiences", "_by_hash", "_by_kid")
 
     def __init__(self, principals: Iterable[Principal]) -> None:
         self._by_hash: dict[bytes, Principal] = {}
+        self._by_kid: dict[str, list[Principal]] = {}
+        self._audiences: Callable[[], frozenset[str]] = frozenset
         for p in principals:
             self._by_hash[p.token_sha256] = p
+            self._by_kid.setdefault(key_id(p.token_sha256), []).append(p)
 
     def __len__(self) -> int:
         return len(self._by_hash)
+
+    def with_audiences(self, audiences: Callable[[], frozenset[str]]) -> Principals:
+        """The same principals, accepting audience credentials for the origins ``audiences()``
+        gives (a service whose own URIs are known only once it listens: the relay)."""
+        bound = Principals(())
+        bound._by_hash, bound._by_kid, bound._audiences = self._by_hash, self._by_kid, audiences
+        return bound
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Principals:
@@ -122,26 +134,48 @@ class Principals:
             hashes.add(p.token_sha256)
         return cls(principals)
 
-    def authenticate(self, authorization: str | None, now_ms: int) -> Principal:
-        """The principal whose bearer token is in the ``Authorization`` field value.
+    def authenticate(
+        self, authorization: str | None, now_ms: int, audiences: frozenset[str] | None = None
+    ) -> Principal:
+        """The principal whose bearer token, or audience credential for one of ``audiences``
+        (this service's own canonical origins, :mod:`kvsp.audience`; default: those of
+        :meth:`with_audiences`), is in the ``Authorization`` field value. With no audiences
+        (the IS and PC) only tokens count.
 
         Raises:
             Unauthorized: the field is missing, not ``Bearer <token>``, or the token is unknown
-                or expired.
+                or expired, or a credential bound to another audience or principal.
         """
         if authorization is None:
             raise Unauthorized("missing Authorization: Bearer <token>")
         found = _BEARER.fullmatch(authorization)
         if found is None:
             raise Unauthorized("expected Authorization: Bearer <token>")
-        digest = hashlib.sha256(found.group(1).encode("ascii")).digest()
-        candidate = self._by_hash.get(digest)
-        # The dict finds the entry; the decision itself is a constant-time comparison.
-        if candidate is None or not hmac.compare_digest(candidate.token_sha256, digest):
+        presented = found.group(1)
+        bound = split_credential(presented)
+        if bound is not None:
+            own = self._audiences() if audiences is None else audiences
+            candidate = self._by_audience(bound, own)
+        else:
+            digest = hashlib.sha256(presented.encode("ascii")).digest()
+            candidate = self._by_hash.get(digest)
+            # The dict finds the entry; the decision itself is a constant-time comparison.
+            if candidate is not None and not hmac.compare_digest(candidate.token_sha256, digest):
+                candidate = None
+        if candidate is None:
             raise Unauthorized("unknown token")
         if candidate.expires_ms is not None and now_ms >= candidate.expires_ms:
             raise Unauthorized("token expired")
         return candidate
+
+    def _by_audience(self, bound: tuple[str, str], audiences: frozenset[str]) -> Principal | None:
+        kid, mac = bound
+        if not audiences:
+            return None  # the control plane takes tokens only
+        for candidate in self._by_kid.get(kid, ()):
+            if verify_mac(candidate.token_sha256, mac, sorted(audiences)):
+                return candidate
+        return None
 
 
 def _fail(detail: str, path: str, source: str) -> PrincipalsError:
@@ -366,7 +400,8 @@ def ensure_default_principals(state_dir: str | os.PathLike[str]) -> tuple[Path, 
 
 
 def principal_of(request: Request) -> Principal:
-    """The authenticated principal of a request (``app.state.principals``/``app.state.clock``).
+    """The authenticated principal of a request (``app.state.principals``/``app.state.clock``;
+    audience credentials when ``app.state.audiences()`` names the service's own origins).
 
     Raises:
         Unauthorized: no valid bearer token.
@@ -376,6 +411,10 @@ def principal_of(request: Request) -> Principal:
         return cached
     principals: Principals = request.app.state.principals
     clock: Clock = request.app.state.clock
-    principal = principals.authenticate(request.headers.get("authorization"), clock.now_ms())
+    # app.state.audiences() gives the service's own origins; the IS and PC set none (tokens only).
+    own = getattr(request.app.state, "audiences", None)
+    audiences: frozenset[str] | None = own() if callable(own) else None
+    authorization = request.headers.get("authorization")
+    principal = principals.authenticate(authorization, clock.now_ms(), audiences)
     request.state.principal = principal
     return principal

@@ -21,13 +21,14 @@ propagate answers its own client "Bad gateway", which is what happened.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterable
 from types import TracebackType
 from typing import Any, ClassVar, Self, TypeVar
 
 import httpx
 
 from kvsp import errors
+from kvsp.audience import AudienceSigner, audience_credential, canonical_origin, origins
 from kvsp.errors import KVSPError, RecordError, RemoteError, TransportError
 from kvsp.records import loads
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
@@ -132,9 +133,15 @@ class BaseClient:
     ``base_url`` is the service base (a trailing ``/`` is added if missing); paths are relative
     to it. ``client`` lets a caller share a connection pool or route through an ASGI transport;
     a client passed in is not closed here.
+
+    Only a client of the control plane (:attr:`control_plane`: the IS, the PC) sends ``token``
+    itself; any other service receives an audience credential for ``base_url``'s origin
+    (:mod:`kvsp.audience`), which opens nothing elsewhere.
     """
 
     accepted_types: ClassVar[str] = f"{KVSP_JSON}, {PROBLEM_JSON}"
+    control_plane: ClassVar[bool] = False
+    """Whether the peer is the IS or the PC, the only services that get the bearer token."""
 
     def __init__(
         self,
@@ -146,8 +153,10 @@ class BaseClient:
     ) -> None:
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self._headers = {"accept": self.accepted_types}
-        if token is not None:
+        if token is not None and self.control_plane:
             self._headers["authorization"] = f"Bearer {token}"
+        elif token is not None:
+            self._headers["authorization"] = "Bearer " + audience_credential(token, self.base_url)
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0))
@@ -208,6 +217,27 @@ class BaseClient:
         """
         response = await self._request(method, path, body)
         return parse_answer(response)
+
+
+class AudienceAuth(httpx.Auth):
+    """``Authorization: Bearer`` for an ``httpx`` client that talks to the control plane and
+    to other services: the token itself only to an origin in ``control_plane`` (the IS, the
+    PC), an audience credential for the request's origin anywhere else (:mod:`kvsp.audience`).
+    """
+
+    def __init__(self, token: str, control_plane: Iterable[str]) -> None:
+        self._raw = f"Bearer {token}"
+        self._control = origins(control_plane)
+        self._signer = AudienceSigner(token)
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        """Set the request's ``Authorization`` field (httpx calls this)."""
+        url = str(request.url)
+        if canonical_origin(url) in self._control:
+            request.headers["authorization"] = self._raw
+        else:
+            request.headers["authorization"] = self._signer.authorization(url) or ""
+        yield request
 
 
 def parse_answer(response: httpx.Response) -> Any:

@@ -411,7 +411,8 @@ _ERRORS = {
     500: "An internal error (no details)",
     502: "An upstream service failed",
     503: "No active instance, or the instance is not active (kvsp-not-active)",
-    507: "No room without evicting leased blocks",
+    507: "No room: a holder's tiers without evicting leased blocks, or the IS's record quota of "
+    "a holder",
 }
 _ALWAYS = (400, 401, 403, 404, 405, 500)
 _WITH_BODY = (*_ALWAYS, 413, 415)
@@ -492,7 +493,7 @@ OPERATIONS: dict[tuple[str, str], Schema] = {
     ("PUT", _REPLICA): _op(
         "Publish or refresh a Replica Record (§6.1); the granted TTL",
         {200: _json(_ref("TtlAnswer"))},
-        (*_WITH_BODY, 409, 422),
+        (*_WITH_BODY, 409, 422, 507),
         body="ReplicaRecord",
         params=[*_BLOCK_PARAMS, _param("holder_id", _ref("Hex16"))],
     ),

@@ -202,11 +202,13 @@ def test_the_relay_process(
     certs: Certs, principals_file: Path, index: RunningService, tmp_path: Path
 ) -> None:
     block = make_block(50)
+    token_file = tmp_path / "relay.token"
+    token_file.write_text(token("relay") + "\n")
     argv = [
         sys.executable,
         *("-m", "relay.app", "--listen", "127.0.0.1:0", "--state", str(tmp_path / "state")),
         *("--principals", str(principals_file), "--index", index.base_url),
-        *("--token", token("relay"), "--record-ttl-ms", "30000"),
+        *("--token-file", str(token_file), "--record-ttl-ms", "30000"),
     ]
     service = start_process(argv, workdir=tmp_path)
     try:

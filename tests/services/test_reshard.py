@@ -131,7 +131,9 @@ class World:
         )
         ranges = Gate(Corrupt(app) if corrupt else app, "/shards/", "GET")
         plans = Gate(ranges, "/reshard")
-        return Node(self.router.add(name, plans), app.state.shards, plans, ranges)
+        url = self.router.add(name, plans)
+        app.state.own_urls.append(url)  # it takes audience credentials for its URL
+        return Node(url, app.state.shards, plans, ranges)
 
     async def call(
         self, method: str, url: str, role: str | None = "pc", **kwargs: Any

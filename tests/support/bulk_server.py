@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvsp.audience import audience_credential
 from kvsp.container import Geometry, decode_container, encode_container
 from kvsp.errors import (
     BadRequest,
@@ -98,7 +99,9 @@ def _served(
 
 
 def _check_auth(request: Request) -> None:
-    if request.headers.get("authorization") != f"Bearer {TOKEN}":
+    # Clients show a holder an audience credential for its origin (kvsp.audience).
+    accepted = (f"Bearer {TOKEN}", f"Bearer {audience_credential(TOKEN, str(request.base_url))}")
+    if request.headers.get("authorization") not in accepted:
         raise Unauthorized("bad or missing bearer token")
 
 

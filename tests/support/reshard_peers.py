@@ -10,6 +10,7 @@ Run as ``python tests/support/reshard_peers.py pc|instance --principals P --toke
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import httpx
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
+from kvsp.audience import origins
 from kvsp.container import Geometry
 from kvsp.services.instance.reshard import HttpRangeFetcher, ShardHolder
 from kvsp.services.instance.reshard import reshard_routes as instance_routes
@@ -27,7 +29,8 @@ from kvsp.stores.shardmaps import MemoryShardMaps
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.problems import install_problem_handlers
-from kvsp.web.runner import ServeConfig, serve
+from kvsp.web.roles import install_roles
+from kvsp.web.runner import ServeConfig, serve_async
 
 GEOMETRY = Geometry(layers=2, kv_heads=2, head_dim=16, element_size=2)
 CONTEXT = 65_536
@@ -50,11 +53,15 @@ def auth(role: str) -> dict[str, str]:
     return {"authorization": f"Bearer {TOKENS[role]}"}
 
 
-def _app(routes: list[BaseRoute], principals: Principals, clock: Clock) -> Starlette:
+def _app(service: str, routes: list[BaseRoute], principals: Principals, clock: Clock) -> Starlette:
     app = Starlette(routes=routes)
     app.router.redirect_slashes = False
     app.state.principals = principals
     app.state.clock = clock
+    # the URLs it is reached by: the audiences of the credentials it takes (kvsp.audience)
+    app.state.own_urls = []
+    app.state.audiences = lambda: origins(app.state.own_urls)
+    install_roles(app, service)  # the service's role rules, as in the real app
     install_problem_handlers(app)
     return app
 
@@ -69,7 +76,7 @@ def create_instance_app(
     """An instance's reshard face; its :class:`ShardHolder` is ``app.state.shards``."""
     holder = ShardHolder(GEOMETRY, page_tokens=page_tokens)
     fetcher = HttpRangeFetcher(TOKENS["instance"], GEOMETRY, client=client)
-    app = _app(instance_routes(holder, fetcher), principals, clock)
+    app = _app("instance", instance_routes(holder, fetcher), principals, clock)
     app.state.shards = holder
     return app
 
@@ -85,7 +92,7 @@ def create_pc_app(
     ``app.state.coordinator``."""
     peers = HttpReshardPeers(TOKENS["pc"], client=client)
     coordinator = ShardCoordinator(MemoryShardMaps(), peers, clock, config)
-    app = _app(pc_routes(coordinator), principals, clock)
+    app = _app("pc", pc_routes(coordinator), principals, clock)
     app.state.coordinator = coordinator
     return app
 
@@ -107,7 +114,10 @@ def main(argv: list[str]) -> int:
         app = create_pc_app(principals, clock, config=config)
     else:
         app = create_instance_app(principals, clock)
-    return serve(app, ServeConfig(ready_file=args.ready_file))
+    serving = serve_async(app, ServeConfig(ready_file=args.ready_file), app.state.own_urls.append)
+    with asyncio.Runner() as runner:
+        runner.run(serving)
+    return 0
 
 
 if __name__ == "__main__":

@@ -314,8 +314,8 @@ def test_fetch_moves_on_from_a_silent_holder(server: RunningService) -> None:
 def test_bases_of_a_record() -> None:
     rec = record("https://h1.example/kvsp")
     assert block_base(rec) == lease_base(rec) == "https://h1.example/kvsp/"
-    relay = record("moqt://relay.example/", moqt_namespace=b"x", lease_base="http://r.example/")
-    assert lease_base(relay) == "http://r.example/"
+    relay = record("moqt://relay.example/", moqt_namespace=b"x", lease_base="http://relay.example/")
+    assert lease_base(relay) == "http://relay.example/"
     with pytest.raises(UnsupportedHolder):
         block_base(relay)
 

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import pytest
 
+from kvsp.audience import audience_credential
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.container import Geometry, decode_container, encode_container
 from kvsp.errors import DigestMismatch
@@ -114,7 +115,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
             folder.mkdir()
             argv = [*kvsp, "holder", *common, "--state", str(folder / "state")]
             argv += ["--index", index.base_url, "--index-token-file", str(tmp / "service.token")]
-            argv += ["--tier", f"host={SIZE}"]  # one block: a second one evicts the first
+            argv += ["--tier", f"host={4 * SIZE}"]  # four blocks: a client may lease one of them
             started.append(start_process(argv, workdir=folder))
         yield Services(index, started[1:])
     finally:
@@ -149,14 +150,22 @@ def test_store_lookup_lease_and_get_a_layer_range(services: Services) -> None:
 
 
 async def corrupting_proxy(upstream: str, flip_at: int) -> tuple[asyncio.Server, str]:
-    """A TCP proxy to ``upstream`` that flips the octet ``flip_at`` of each response body."""
+    """A TCP proxy to ``upstream`` that flips the octet ``flip_at`` of each response body.
+
+    The client binds its credential to the proxy's origin (:mod:`kvsp.audience`), which the
+    holder would refuse; the proxy swaps it for the one bound to the holder, as a test-only
+    stand-in for a holder that also answers to the proxy's name."""
     host, port = upstream.removeprefix("http://").rstrip("/").split(":")
+    swap: list[tuple[bytes, bytes]] = []
 
     async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, flip: bool) -> None:
         seen = bytearray()
         body_start: int | None = None
         try:
             while data := await src.read(65536):
+                if not flip:
+                    for old, new in swap:
+                        data = data.replace(old, new)
                 if flip:
                     start = len(seen)
                     seen += data
@@ -185,7 +194,10 @@ async def corrupting_proxy(upstream: str, flip_at: int) -> tuple[asyncio.Server,
             up_writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+    proxy = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+    as_proxy, as_holder = (audience_credential(CLIENT_TOKEN, u) for u in (proxy, upstream))
+    swap.append((as_proxy.encode(), as_holder.encode()))
+    return server, proxy
 
 
 def test_a_flipped_octet_is_caught_and_nothing_is_handed_out(services: Services) -> None:
@@ -223,8 +235,9 @@ def test_a_404_at_the_first_replica_falls_through_to_the_second(services: Servic
                 await client.put_block(holder, COMPAT, SCOPE, key(3), container(3))
             stale = await services.lookup(3)
             assert [r.holder for r in stale] == [first, second]
-            # the first holder has room for one block: storing another evicts key 3 there
-            assert await client.put_block(first, COMPAT, SCOPE, key(4), container(4))
+            # the first holder has room for four blocks: storing four more evicts key 3 there
+            for k in (4, 5, 6, 7):
+                assert await client.put_block(first, COMPAT, SCOPE, key(k), container(k))
             block = await client.fetch(stale, layers=(0, 9), geometry=GEOMETRY)
             assert block is not None and block.source == second
             assert client.stats.sources[first].errors == {"NotFound": 1}

@@ -116,7 +116,8 @@ def _client(tmp_path: Path) -> InProcessClient:
         logging.getLogger("kvsp.test").warning("about to fail")
         raise RuntimeError("broken on purpose")
 
-    app.router.routes.append(Route("/boom", boom))
+    # in place of a public route: a route without a role rule is refused before it runs
+    app.router.routes.insert(0, Route("/openapi.json", boom, methods=["GET"]))
     return InProcessClient(app)
 
 
@@ -134,13 +135,14 @@ def test_request_ids_are_echoed_made_or_replaced(tmp_path: Path) -> None:
 
 def test_every_record_of_a_request_carries_its_id(tmp_path: Path, captured: io.StringIO) -> None:
     client = _client(tmp_path)
-    response = client.get("/boom", headers={"x-request-id": "boom-1"})
+    response = client.get("/openapi.json", headers={"x-request-id": "boom-1"})
     assert response.status_code == 500 and response.headers["x-request-id"] == "boom-1"
     mine = [r for r in records(captured) if r.get("request_id") == "boom-1"]
     loggers = {r["logger"] for r in mine}
     assert {"kvsp.test", "kvsp.services", ACCESS_LOGGER} <= loggers
     access = next(r for r in mine if r["logger"] == ACCESS_LOGGER)
-    assert access["method"] == "GET" and access["path"] == "/boom" and access["status"] == 500
+    assert access["method"] == "GET" and access["path"] == "/openapi.json"
+    assert access["status"] == 500
     assert isinstance(access["duration_ms"], float)
 
 

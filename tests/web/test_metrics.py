@@ -99,8 +99,8 @@ def test_the_metrics_role_opens_nothing_else(tmp_path: Path) -> None:
     put_replica(client, KEYS[0])
     body = {"scope_id": SCOPE_HEX, "compat_id": COMPAT.hex(), "block_keys": [KEYS[0].hex()]}
     assert client.post("/lookup", json=body, headers=ops.ADMIN).json()["matched"] == 1
-    # No scope: its lookups find nothing (§6.2), and it may publish for no holder (§6.1).
-    assert client.post("/lookup", json=body, headers=ops.METRICS).json()["matched"] == 0
+    # The role reads /metrics only (kvsp.web.roles): no lookup, no publishing.
+    assert client.post("/lookup", json=body, headers=ops.METRICS).status_code == 403
     path = f"/replicas/{COMPAT.hex()}/{SCOPE_HEX}/{KEYS[1].hex()}/{holder_id_of('http://h1.test/').hex()}"
     refused = client.put(path, json=record(KEYS[1]).to_json(), headers=ops.METRICS)
     assert refused.status_code == 403
@@ -134,10 +134,11 @@ def test_a_server_error_is_counted_as_500(tmp_path: Path) -> None:
     async def boom(request: Request) -> None:
         raise RuntimeError("broken on purpose")
 
-    app.router.routes.append(Route("/boom", boom))
+    # in place of a route that has a role rule (a route without one is refused before it runs)
+    app.router.routes.insert(0, Route("/healthz", boom, methods=["GET"]))
     client = InProcessClient(app)
-    assert client.get("/boom").status_code == 500
-    assert value(scrape(client), "kvsp_http_requests_total", route="/boom", status="500") == 1
+    assert client.get("/healthz").status_code == 500
+    assert value(scrape(client), "kvsp_http_requests_total", route="/healthz", status="500") == 1
 
 
 def test_every_app_has_its_own_registry(tmp_path: Path) -> None:

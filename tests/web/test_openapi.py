@@ -152,7 +152,7 @@ RECORD = {
         {"tier": "host", "layers": [1, 1], "read_mbit_per_s": 400000},
     ],
     "ttl_ms": 600000,
-    "lease_base": "http://relay.example/",
+    "lease_base": "https://h1.example/kvsp/",
 }
 STATUS = {
     "instance": "https://ii7.example/kvsp/",

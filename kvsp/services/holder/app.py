@@ -6,7 +6,8 @@ Routes (relative to the holder's base URL):
 * ``GET blocks/{compat}/{scope}/{key}`` (``?layers=a-b``, ``?codec=n``): the container as
   ``application/kvsp-block`` with ``Content-Length``, ``Repr-Digest`` (RFC 9530) and
   ``Cache-Control: private, immutable, max-age=<remaining record TTL in s>``, sent from the
-  stored octets without a copy (:class:`~kvsp.web.responses.PartsResponse`).
+  stored octets without a copy (:class:`~kvsp.web.responses.PartsResponse`); a disk-tier block
+  is read and checked against its digest first, and a faulty one is a 404 (a miss).
 * ``PUT blocks/{compat}/{scope}/{key}`` with ``If-None-Match: *`` (missing or another value:
   428): 201 with the Replica Record; an optional ``Repr-Digest``/``Content-Digest`` is verified.
   Scope, an existing copy (412) and the descriptor are checked before the body is read.
@@ -14,7 +15,9 @@ Routes (relative to the holder's base URL):
   (204); ``PUT``/``GET descriptors/{compat}``; ``GET healthz`` (no token).
 
 Every other answer is an RFC 9457 problem; path parameters that are not lowercase hex of the
-right length are 400 naming the parameter (``compat``, ``scope``, ``key``).
+right length are 400 naming the parameter (``compat``, ``scope``, ``key``). The roles each route
+takes are :data:`kvsp.web.roles.RULES` (storing needs holder, instance or relay; never client or
+metrics).
 """
 
 from __future__ import annotations
@@ -31,14 +34,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvsp.audience import origins
 from kvsp.errors import BadRequest, NotFound, PreconditionRequired, UnsupportedMediaType
 from kvsp.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.index import ReplicaIndex
-from kvsp.leases import LeaseQuota
+from kvsp.leases import CLIENT_SHARE, LeaseQuota
 from kvsp.records import LeaseRenewal, LeaseRequest
 from kvsp.registries import Tier
 from kvsp.services.descriptors import descriptor_routes
-from kvsp.services.holder.service import Holder, HolderConfig
+from kvsp.services.holder.service import (
+    DEFAULT_LEASE_TTL_MS,
+    DEFAULT_LEASES_PER_CLIENT,
+    Holder,
+    HolderConfig,
+)
 from kvsp.stores.blocks import BlockRef, DeviceBackend, cuda_backend
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.web.auth import Principals, principal_of
@@ -57,6 +66,7 @@ from kvsp.web.http import (
 from kvsp.web.metrics import observe_bytes
 from kvsp.web.problems import install_problem_handlers, kvsp_json
 from kvsp.web.responses import PartsResponse
+from kvsp.web.roles import install_roles
 from kvsp.web.runner import ServeConfig, serve_async
 
 BLOCK_MEDIA_TYPE = "application/kvsp-block"
@@ -210,6 +220,8 @@ def create_holder_app(
     app.state.principals = principals
     app.state.clock = clock
     app.state.holder = holder
+    app.state.audiences = lambda: origins([holder.public_url])
+    install_roles(app, "holder")
     install_problem_handlers(app)
     install_operations(app, "holder", "KVSP holder")
     return app
@@ -249,7 +261,6 @@ def _tier_rate(text: str) -> tuple[Tier, float]:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the holder's options (``kvsp serve holder``)."""
     d = HolderConfig()
-    q = d.lease_quota
     add = parser.add_argument
     add("--index", metavar="URL", help="the Index Service to publish at (default: standalone)")
     add("--index-token-file", type=Path, metavar="FILE", help="bearer token for the IS")
@@ -281,23 +292,24 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add(
         "--lease-max-octets",
         type=positive_size,
-        default=q.max_octets_per_client,
+        default=None,
         metavar="SIZE",
-        help="per-client quota of leased octets (default 1GiB)",
+        help="per-client quota of leased octets (default a quarter of the tiers' capacity); "
+        "all clients together never lease more than half of it",
     )
     add(
         "--lease-max-ttl-ms",
         type=positive_int,
-        default=q.max_ttl_ms,
+        default=DEFAULT_LEASE_TTL_MS,
         metavar="MS",
-        help=f"longest lease TTL (default {q.max_ttl_ms})",
+        help=f"longest lease TTL (default {DEFAULT_LEASE_TTL_MS})",
     )
     add(
         "--lease-max-count",
         type=positive_int,
-        default=q.max_leases_per_client,
+        default=DEFAULT_LEASES_PER_CLIENT,
         metavar="N",
-        help=f"most leases per client (default {q.max_leases_per_client})",
+        help=f"most leases per client (default {DEFAULT_LEASES_PER_CLIENT})",
     )
     add(
         "--descriptor",
@@ -331,14 +343,18 @@ def holder_config(args: argparse.Namespace) -> HolderConfig:
     rates = dict(defaults.read_mbit_per_s) | dict(args.read_mbit_per_s)
     if args.public_url is not None and not args.public_url.endswith("/"):
         raise BadRequest("--public-url must end in '/'")
+    tiers = tiers or dict(defaults.tiers)
+    per_client = args.lease_max_octets
+    if per_client is None:
+        per_client = max(1, sum(tiers.values()) // CLIENT_SHARE)
     return HolderConfig(
         public_url=args.public_url,
-        tiers=tiers or dict(defaults.tiers),
+        tiers=tiers,
         state_dir=args.state,
         record_ttl_ms=args.record_ttl_ms,
         read_mbit_per_s=rates,
         lease_quota=LeaseQuota(
-            max_octets_per_client=args.lease_max_octets,
+            max_octets_per_client=per_client,
             max_ttl_ms=args.lease_max_ttl_ms,
             max_leases_per_client=args.lease_max_count,
         ),

@@ -18,9 +18,12 @@ PUT/GET ``descriptors/{compat}``            → 201/200 ``{"compat_id"}`` / the 
 GET     ``healthz``                         → 200 ``{"status": "ok"}`` (no token needed)
 ======= =================================== ==================================================
 
-Path segments are lowercase hex of the right length, else 400 naming the segment. Bodies are
+Who may call each resource is :data:`kvsp.web.roles.RULES`. Path segments are lowercase hex of
+the right length, else 400 naming the segment. Bodies are
 bounded (:class:`IndexConfig`), errors are rendered by the problem handlers only, and a
-background task sweeps expired records in bounded chunks.
+background task sweeps expired records in bounded chunks. Records are checked against their
+descriptor and a holder's records are bounded (:mod:`kvsp.index`: 422, 400 or 507), and status
+epochs against the clock (``--max-epoch-skew-ms``, :mod:`kvsp.lifecycle`).
 """
 
 from __future__ import annotations
@@ -45,23 +48,31 @@ from kvsp.fields import Fields
 from kvsp.ids import parse_block_key, parse_compat_id, parse_hex16, parse_scope_id
 from kvsp.index import (
     DEFAULT_MAX_LOOKUP_KEYS,
+    DEFAULT_MAX_RECORDS_PER_HOLDER,
     IndexService,
     ReplicaCensus,
     ReplicaPath,
     ReplicaStore,
     holder_id_of,
 )
+from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS
 from kvsp.records import InstanceStatusRecord, LookupRequest, ReplicaRecord
 from kvsp.services.descriptors import descriptor_routes
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web import auth
 from kvsp.web.auth import Principal, Principals, principal_of
-from kvsp.web.cliargs import load_principals, positive_int, serve_config
+from kvsp.web.cliargs import (
+    add_epoch_skew_argument,
+    load_principals,
+    positive_int,
+    serve_config,
+)
 from kvsp.web.clock import Clock, SystemClock
-from kvsp.web.http import install_operations, read_json
+from kvsp.web.http import JsonLimits, install_operations, read_json
 from kvsp.web.metrics import observe_lookup
 from kvsp.web.problems import install_problem_handlers, kvsp_json
+from kvsp.web.roles import install_roles
 from kvsp.web.runner import serve
 
 _log = logging.getLogger("kvsp.services.index")
@@ -84,6 +95,11 @@ class IndexConfig:
     body_limit: int = 32 * MIB
     max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS
     max_batch: int = 10_000
+    max_records_per_holder: int | None = DEFAULT_MAX_RECORDS_PER_HOLDER
+    """Records one holder may keep here (``None``: no bound); beyond it a new record is
+    refused with 507 ``kvsp-insufficient-storage``."""
+    max_epoch_skew_ms: int = DEFAULT_MAX_EPOCH_SKEW_MS
+    """How far a status epoch may be ahead of the IS's clock (:mod:`kvsp.lifecycle`)."""
     sweep_interval_s: float = 1.0
     sweep_chunk: int = 10_000
     gc_freeze_interval_s: float | None = 2.0
@@ -152,6 +168,15 @@ class _IndexEndpoints:
         self.config = config
         self.clock = clock
         self.record_limit = min(RECORD_BODY_LIMIT, config.body_limit)
+        # a lookup is one array of 64-hex keys; a batch one record per ~48 octets per item
+        self.lookup_limits = JsonLimits.for_array(
+            index.max_lookup_keys, 80, config.body_limit, strings=True
+        )
+        self.batch_limits = JsonLimits(
+            max_octets=config.body_limit,
+            max_items=max(1024, config.body_limit // 48),
+            max_containers=config.max_batch * 8 + 64,
+        )
 
     async def put_replica(self, request: Request) -> Response:
         caller = _caller(request)
@@ -169,7 +194,7 @@ class _IndexEndpoints:
 
     async def publish_batch(self, request: Request) -> Response:
         caller = _caller(request)
-        records = Fields(await read_json(request, self.config.body_limit)).array("records")
+        records = Fields(await read_json(request, self.batch_limits)).array("records")
         if len(records) > self.config.max_batch:
             raise PayloadTooLarge(
                 f"at most {self.config.max_batch} records per batch, got {len(records)}",
@@ -180,7 +205,7 @@ class _IndexEndpoints:
 
     async def lookup(self, request: Request) -> Response:
         caller = _caller(request)
-        body = await read_json(request, self.config.body_limit)
+        body = await read_json(request, self.lookup_limits)
         self._check_key_count(body)
         lookup = LookupRequest.from_json(body)
         now_ms = self.clock.now_ms()
@@ -233,7 +258,7 @@ def _census_routes(store: ReplicaStore, clock: Clock) -> list[BaseRoute]:
     census: ReplicaCensus = store
 
     async def holders(request: Request) -> Response:
-        auth.require_role(principal_of(request), "admin")
+        principal_of(request)  # admin only: kvsp.web.roles
         rows = await census.holders(clock.now_ms())
         body = [{"holder": h, "replicas": n, "octets": octets} for h, n, octets in rows]
         return kvsp_json({"holders": body})
@@ -313,6 +338,8 @@ def create_index_app(
         max_ttl_ms=config.max_ttl_ms,
         descriptors=descriptors,
         max_lookup_keys=config.max_lookup_keys,
+        max_records_per_holder=config.max_records_per_holder,
+        max_epoch_skew_ms=config.max_epoch_skew_ms,
     )
 
     @contextlib.asynccontextmanager
@@ -329,6 +356,7 @@ def create_index_app(
     app.state.principals = principals
     app.state.clock = clock
     app.state.index = index
+    install_roles(app, "index")
     install_problem_handlers(app)
     install_operations(app, "index", "KVSP Index Service")
     return app
@@ -368,6 +396,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"most block keys in one lookup (default {defaults.max_lookup_keys})",
     )
+    parser.add_argument(
+        "--max-records-per-holder",
+        type=positive_int,
+        default=defaults.max_records_per_holder,
+        metavar="N",
+        help="most replica records one holder may keep; beyond it a new record is refused "
+        f"with 507 (default {defaults.max_records_per_holder})",
+    )
+    add_epoch_skew_argument(parser)
     parser.add_argument(
         "--store",
         default="memory",
@@ -421,6 +458,8 @@ def index_config(args: argparse.Namespace) -> IndexConfig:
         max_ttl_ms=args.max_ttl_ms,
         body_limit=args.body_limit,
         max_lookup_keys=args.max_lookup_keys,
+        max_records_per_holder=args.max_records_per_holder,
+        max_epoch_skew_ms=args.max_epoch_skew_ms,
     )
 
 

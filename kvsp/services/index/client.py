@@ -58,6 +58,8 @@ def _compat_of(obj: Any) -> CompatId:
 class IndexClient(BaseClient):
     """An async client of one IS (``async with IndexClient(base, token) as index: ...``)."""
 
+    control_plane = True  # the IS takes the bearer token itself
+
     async def publish(self, record: ReplicaRecord) -> int:
         """PUT a Replica Record (§6.1); returns the granted TTL in milliseconds.
 

@@ -24,7 +24,8 @@ POST    ``sessions/{s}/resume``       ResumeRequest (§6.8) → 200 ``{"session"
                                       ``kvsp-stale-epoch`` for an epoch not above its own
                                       (role ``pc``)
 GET     ``sessions/{s}``              the instance's view of a session it serves
-GET     ``status``                    the Instance Status Record it would send now
+GET     ``status``                    the Instance Status Record it would send now (roles
+                                      ``pc``, ``instance``)
 GET/PUT ``blocks/…``, ``leases…``     the holder face (§6.6, §6.7) over what it computed/loaded
 GET     ``healthz``                   liveness, no token
 ======  ============================ ==========================================================
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -60,6 +62,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvsp.audience import origins
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.engine.api import GREEDY, InferenceEngine, Sampling
 from kvsp.errors import BadRequest, KVSPError, NotFound
@@ -76,7 +79,7 @@ from kvsp.services.instance.service import InstanceAgent, InstanceConfig, Sessio
 from kvsp.services.instance.sessions import InstanceSessions, LiveSession, SessionConfig
 from kvsp.stores.descriptors import DescriptorRegistry, read_descriptor_file
 from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments
-from kvsp.web.auth import Principals, principal_of, require_role, require_scope
+from kvsp.web.auth import Principals, principal_of, require_scope
 from kvsp.web.cliargs import (
     load_principals,
     parse_size,
@@ -85,8 +88,9 @@ from kvsp.web.cliargs import (
     serve_config,
 )
 from kvsp.web.clock import Clock, SystemClock
-from kvsp.web.http import install_operations, read_json
+from kvsp.web.http import JsonLimits, install_operations, read_json
 from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
+from kvsp.web.roles import install_roles
 from kvsp.web.runner import ServeConfig, serve_async
 
 _log = logging.getLogger("kvsp.instance")
@@ -95,6 +99,10 @@ NDJSON = "application/x-ndjson"
 JSON_LIMIT = 1 << 20
 DIRECTIVE_LIMIT = 64 << 20
 """A directive lists up to a million blocks with their sources."""
+_DIRECTIVE_LIMITS = JsonLimits(
+    max_octets=DIRECTIVE_LIMIT, max_items=DIRECTIVE_LIMIT // 8, max_containers=DIRECTIVE_LIMIT // 32
+)
+"""Each block is an object with a key and an array of sources (at least ~70 octets)."""
 PROMPT_LIMIT = 64 << 20
 """A prompt of a million tokens as JSON numbers."""
 
@@ -159,8 +167,7 @@ class _InstanceEndpoints:
 
     async def post_prefetch(self, request: Request) -> Response:
         principal = principal_of(request)
-        require_role(principal, "pc")
-        directive = PrefetchDirective.from_json(await read_json(request, DIRECTIVE_LIMIT))
+        directive = PrefetchDirective.from_json(await read_json(request, _DIRECTIVE_LIMITS))
         require_scope(principal, directive.scope_id)
         progress = self.agent.accept_directive(directive)
         where = f"prefetch/{directive.directive}"
@@ -170,7 +177,6 @@ class _InstanceEndpoints:
 
     async def get_prefetch(self, request: Request) -> Response:
         principal = principal_of(request)
-        require_role(principal, "pc")
         directive = read_uuid(request.path_params["directive"], "directive")
         progress = self.agent.directives.get(directive)
         require_scope(principal, progress.directive.scope_id)
@@ -180,15 +186,16 @@ class _InstanceEndpoints:
         return kvsp_json(progress.status().to_json())
 
     async def put_state(self, request: Request) -> Response:
-        principal = principal_of(request)
-        require_role(principal, "pc")
+        principal_of(request)  # role pc: kvsp.web.roles
         body = StateAnswer.from_json(await read_json(request, JSON_LIMIT))
         return kvsp_json({"state": str(self.agent.change_state(body.state))})
 
     async def post_generate(self, request: Request) -> Response:
         principal = principal_of(request)
-        require_role(principal, "client")
-        body = GenerateRequest.from_json(await read_json(request, PROMPT_LIMIT))
+        limits = JsonLimits.for_array(
+            self.agent.config.max_prompt_tokens, 16, PROMPT_LIMIT, strings=False
+        )  # one array of token ids
+        body = GenerateRequest.from_json(await read_json(request, limits))
         scope, key = _resolve_scope(self.agent, body)
         require_scope(principal, scope)
         if body.session is not None:
@@ -226,23 +233,27 @@ class _InstanceEndpoints:
 
     async def get_tokens(self, request: Request) -> Response:
         principal = principal_of(request)
-        require_role(principal, "client")
         live = self._sessions().get(read_uuid(request.path_params["session"], "session"))
         require_scope(principal, live.scope)
         return _stream(_session_ndjson(live, _read_from(request)), {})
 
     async def get_session(self, request: Request) -> Response:
         principal = principal_of(request)
-        require_role(principal, "client", "pc")
         live = self._sessions().get(read_uuid(request.path_params["session"], "session"))
         require_scope(principal, live.scope)
         return kvsp_json(live.view())
 
+    def _resume_limits(self) -> JsonLimits:
+        """A checkpoint holds token ids (prompt tail, generated) and the prompt's block keys."""
+        tokens = self.agent.config.max_prompt_tokens
+        blocks = tokens // self.agent.descriptor.block_tokens + 1
+        limits = JsonLimits.for_array(2 * tokens + blocks, 16, PROMPT_LIMIT, strings=False)
+        return dataclasses.replace(limits, max_strings=blocks + 1024)
+
     async def post_resume(self, request: Request) -> Response:
         principal = principal_of(request)
-        require_role(principal, "pc")
         session = read_uuid(request.path_params["session"], "session")
-        body = ResumeRequest.from_json(await read_json(request, PROMPT_LIMIT))
+        body = ResumeRequest.from_json(await read_json(request, self._resume_limits()))
         if body.checkpoint.session != session:
             raise BadRequest("the checkpoint is of another session", path="$.checkpoint.session")
         require_scope(principal, body.checkpoint.scope_id)
@@ -307,6 +318,8 @@ def create_instance_app(
     app.state.principals = principals
     app.state.clock = clock
     app.state.agent = agent
+    app.state.audiences = lambda: origins([agent.public_url])
+    install_roles(app, "instance")
     install_problem_handlers(app)
     install_operations(app, "instance", "KVSP inference instance")
     return app

@@ -55,6 +55,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from kvsp.audience import AudienceSigner
 from kvsp.container import ContainerLimits, Geometry, decode_container, header_size
 from kvsp.engine.shards import (
     DEFAULT_PAGE_TOKENS,
@@ -84,7 +85,7 @@ from kvsp.records_shard import ReshardAbort, ReshardCommit, ReshardPlan, parse_r
 from kvsp.reshard import PendingState, check_plan, move_pending
 from kvsp.transfer.bulk import BulkClient
 from kvsp.transfer.http11 import Buffer, BytesBody
-from kvsp.web.auth import principal_of, require_role
+from kvsp.web.auth import principal_of
 from kvsp.web.client import problem_error
 from kvsp.web.http import parse_repr_digest, read_body, read_json, repr_digest
 from kvsp.web.problems import PROBLEM_JSON, kvsp_json
@@ -449,7 +450,7 @@ def _version_param(request: Request) -> int:
 
 
 class HttpRangeFetcher:
-    """:class:`RangeFetcher` over HTTP with the instance's bearer token: ``GET
+    """:class:`RangeFetcher` over HTTP with the instance's audience credentials: ``GET
     {source}shards/{map}/{a}-{b}?version=v``, Repr-Digest and geometry verified, in chunks of
     at most ``chunk_bytes``.
 
@@ -468,9 +469,8 @@ class HttpRangeFetcher:
         timeout: float = FETCH_TIMEOUT_S,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
-        self._headers = {"accept": f"{BLOCK_MEDIA_TYPE}, {PROBLEM_JSON}"}
-        if token is not None:
-            self._headers["authorization"] = f"Bearer {token}"
+        self._accept = {"accept": f"{BLOCK_MEDIA_TYPE}, {PROBLEM_JSON}"}
+        self._signer = AudienceSigner(token)  # peers get credentials, never the token
         self.geometry = geometry
         self._client = client
         self._bulk = bulk
@@ -514,9 +514,16 @@ class HttpRangeFetcher:
             received += (b - a) * token_bytes(self.geometry)
         return received
 
+    def _headers(self, url: str) -> dict[str, str]:
+        authorization = self._signer.authorization(url)
+        if authorization is None:
+            return self._accept
+        return {**self._accept, "authorization": authorization}
+
     async def _get_bulk(self, bulk: BulkClient, url: str) -> tuple[str | None, Buffer]:
         consumer = BytesBody.factory(self._limit)
-        response = await bulk.request("GET", url, headers=self._headers, consumer=consumer)
+        sent = self._headers(url)
+        response = await bulk.request("GET", url, headers=sent, consumer=consumer)
         data = response.body.data if isinstance(response.body, BytesBody) else b""
         if response.status != 200:
             headers = list(response.head.headers)
@@ -529,7 +536,7 @@ class HttpRangeFetcher:
         if self._client is None:
             raise TransportError(f"GET {url}: no client")
         try:
-            response = await self._client.get(url, headers=self._headers)
+            response = await self._client.get(url, headers=self._headers(url))
         except httpx.HTTPError as exc:
             raise TransportError(f"GET {url}: {type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
@@ -564,7 +571,7 @@ class _ReshardEndpoints:
         self.body_limit = body_limit
 
     async def post_reshard(self, request: Request) -> Response:
-        require_role(principal_of(request), "pc")
+        principal_of(request)  # role pc: kvsp.web.roles
         message = parse_reshard_message(await read_json(request, PLAN_LIMIT))
         if isinstance(message, ReshardPlan):
             return kvsp_json(await self.holder.apply_plan(message, self.fetcher))
@@ -573,7 +580,7 @@ class _ReshardEndpoints:
         return kvsp_json(self.holder.abort(message))
 
     def _target(self, request: Request) -> tuple[str, TokenRange, int]:
-        require_role(principal_of(request), "instance", "pc")
+        principal_of(request)  # roles instance, pc: kvsp.web.roles
         name = read_name(request.path_params["map"], "map")
         return name, parse_token_range(request.path_params["tokens"]), _version_param(request)
 
@@ -608,7 +615,7 @@ class _ReshardEndpoints:
         return Response(status_code=204)
 
     async def get_status(self, request: Request) -> Response:
-        require_role(principal_of(request), "instance", "pc")
+        principal_of(request)  # roles instance, pc: kvsp.web.roles
         return kvsp_json(self.holder.status())
 
 

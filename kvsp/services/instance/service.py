@@ -62,6 +62,7 @@ from kvsp.errors import (
     PreconditionFailed,
     StaleEpoch,
     UnsupportedHolder,
+    UnvouchedOrigin,
 )
 from kvsp.ids import BlockKey, ScopeId
 from kvsp.keys import block_keys
@@ -81,7 +82,7 @@ from kvsp.registries import InstanceState
 from kvsp.services.holder import Holder
 from kvsp.services.instance.pipeline import LeaseBatcher, ReplicaBatcher, TransferBudget
 from kvsp.stores.blocks import BlockRef, StoredBlock
-from kvsp.transfer.block_client import BlockClient, source_base
+from kvsp.transfer.block_client import BlockClient, lease_base, source_base
 from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.auth import Principal
 from kvsp.web.clock import Clock
@@ -281,6 +282,8 @@ class InstanceAgent:
         self._principal = Principal(name="instance", roles=frozenset({"instance"}), scopes=None)
         self._failure_listeners: list[Callable[[], None]] = []
         self.leases = LeaseBatcher(block_client, self.links)
+        self.unvouched_records = 0
+        """Records refused because their ``lease_base`` was not on their holder's origin."""
         self.replicas = ReplicaBatcher(
             holder, self._spawn, max_batch=max(1, config.pipeline_window // 2)
         )
@@ -852,8 +855,8 @@ class InstanceAgent:
                 if record is None:
                     reasons.append(f"{base}: no replica record")
                     continue
-                lease_at = _base(record.lease_base or base)
                 try:
+                    lease_at = self._lease_at(record)
                     hold = await self.leases.acquire(lease_at, base, ref, record.size, lease_ms)
                 except KVSPError as exc:
                     reasons.append(f"{base}: {exc.problem}")
@@ -900,12 +903,25 @@ class InstanceAgent:
             _log.warning("keeping block %s failed: %s", ref, exc)
             return None
 
+    def _lease_at(self, record: ReplicaRecord) -> str:
+        """Where to lease the record's replica: never an origin its holder URI does not name.
+
+        Raises:
+            UnvouchedOrigin: a ``lease_base`` elsewhere (counted in ``unvouched_records``).
+            UnsupportedHolder: no HTTP base to lease at.
+        """
+        try:
+            return lease_base(record)
+        except UnvouchedOrigin:
+            self.unvouched_records += 1
+            raise
+
     async def _fetch(
         self, ref: BlockRef, base: str, record: ReplicaRecord, lease_ms: int
     ) -> VerifiedBlock:
         """Lease, GET and verify one block at one source (§6.6, §6.7); the lease is released
         whatever happens (and expires at the source anyway)."""
-        lease_at = _base(record.lease_base or base)
+        lease_at = self._lease_at(record)
         request = LeaseRequest(
             compat_id=ref.compat, scope_id=ref.scope, block_keys=(ref.key,), ttl_ms=lease_ms
         )

@@ -128,6 +128,8 @@ def _listing(obj: Any) -> list[InstanceListing]:
 class PCClient(BaseClient):
     """An async client of one PC (``async with PCClient(base, token) as pc: ...``)."""
 
+    control_plane = True  # the PC takes the bearer token itself
+
     async def put_status(self, record: InstanceStatusRecord) -> StateAnswer:
         """PUT an Instance Status Record (§6.3); returns the PC's state for the instance.
 

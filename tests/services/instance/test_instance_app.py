@@ -398,7 +398,7 @@ def test_generate_request_record_reads_its_members() -> None:
 
 def test_status_and_healthz(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
-        status = await env.http.get("status", headers=CLIENT)
+        status = await env.http.get("status", headers=PC)  # status is for pc/instance/admin
         assert status.status_code == 200
         record = InstanceStatusRecord.from_json(status.json())
         assert record.instance == URL and record.state is InstanceState.ACTIVE

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvsp.audience import audience_credential
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.errors import NotActive
 from kvsp.ids import BlockKey, CompatId, ScopeId
@@ -208,7 +209,8 @@ def test_control_places_directs_and_fails_an_instance_that_stops_reporting(
     assert sent["body"]["request_ref"] == "req-1"
     assert [b["block_key"] for b in sent["body"]["blocks"]] == [key(i).hex() for i in range(8)]
     assert all(b["sources"] == [H1] for b in sent["body"]["blocks"])
-    assert sent["authorization"] == f"Bearer {token('admin')}"
+    # the PC's token, bound to the instance's origin: the instance cannot replay it elsewhere
+    assert sent["authorization"] == f"Bearer {audience_credential(token('admin'), a_url)}"
     assert received(b_log, "prefetch") == []
 
     assert run(operate(b_url, InstanceState.DRAINING)) is InstanceState.DRAINING

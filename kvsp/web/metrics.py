@@ -164,7 +164,8 @@ def _domain_octets(state: Any) -> dict[tuple[str, str], int]:
     out: dict[tuple[str, str], int] = {}
     agent = getattr(state, "agent", None)
     if agent is not None:
-        out[("http", "received")] = agent.links.octets_total
+        for transport, octets in agent.links.octets_by_transport.items():
+            out[(transport, "received")] = octets
     relay = getattr(state, "relay", None)
     if relay is not None:
         sent, received = relay.moqt_octets()

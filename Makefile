@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py kvsp/_sha256x2.c moqt/_objscan.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[engine,redis,quic-fast,sim,test]'
+	$(BIN)/python -m pip install -q -e '.[engine,redis,quic-fast,sim,transformers,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,5 +1,6 @@
 """The engines an inference instance drives (DESIGN.md §1, §5–6): the interface, a toy engine,
-and the torch reference engine with paged KV buffers and device sinks.
+the torch reference engine with paged KV buffers and device sinks, and any Hugging Face
+transformers decoder-only checkpoint.
 
 torch is an optional extra, so this package file imports nothing. :mod:`kvsp.engine.api`
 (the interface), :mod:`kvsp.engine.worker` (the one engine thread) and :mod:`kvsp.engine.toy`
@@ -16,4 +17,9 @@ torch is an optional extra, so this package file imports nothing. :mod:`kvsp.eng
 * :mod:`kvsp.engine.blocks` — pages out as KVB1 containers and back in;
 * :mod:`kvsp.engine.sampler` — samplers restorable from (method, params, seed, step) (§6.8);
 * :mod:`kvsp.engine.engine` — the :class:`Engine` facade.
+
+:mod:`kvsp.engine.adapter` is what both torch engines share behind the instance agent (the
+engine thread, sampling, held blocks, resume); :mod:`kvsp.engine.transformers_engine` runs a
+transformers ``AutoModelForCausalLM`` on it, with :mod:`kvsp.engine.hf_checkpoint` describing
+the checkpoint's files (§4.1) and refusing what it would describe wrongly.
 """

@@ -346,12 +346,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--control", required=True, metavar="URL", help="the PC (or kvsp serve control)")
     add("--index", metavar="URL", help="the IS, when apart from the PC (default: --control)")
     add("--token-file", required=True, type=Path, metavar="FILE", help="bearer token it uses")
-    add("--engine", choices=["toy", "reference"], default="toy", help="the engine (default toy)")
+    engines = ["toy", "reference", "transformers"]
+    add("--engine", choices=engines, default="toy", help="the engine (default toy)")
     add("--descriptor", type=Path, metavar="D.json", help="Compatibility Descriptor to compute")
     add("--kv-capacity-blocks", type=positive_int, default=1024, metavar="N")
-    add("--model", type=Path, metavar="DIR", help="checkpoint folder (--engine reference)")
-    add("--device", default="cpu", help="torch device of --engine reference (default cpu)")
-    add("--block-tokens", type=positive_int, default=16, metavar="B", help="(reference)")
+    add("--model", type=Path, metavar="DIR", help="checkpoint folder (reference, transformers)")
+    add("--device", default="cpu", help="torch device (reference, transformers; default cpu)")
+    add("--block-tokens", type=positive_int, default=16, metavar="B", help="(torch engines)")
     add("--kv-dtype", default="fp32", metavar="T", help="KV element type (reference; fp32)")
     add("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute (reference)")
     add("--public-url", metavar="URL", help="base URL it is known by (default: its own)")
@@ -523,17 +524,21 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
 
 def make_engine(args: argparse.Namespace) -> InferenceEngine:
     """The engine ``--engine`` names: the toy engine computing ``--descriptor`` (its default
-    otherwise), or the torch reference engine over the checkpoint in ``--model``.
+    otherwise), the torch reference engine over the checkpoint in ``--model``, or the
+    transformers engine over the Hugging Face checkpoint in ``--model``.
 
     Raises:
         DescriptorError: an invalid descriptor file.
-        BadRequest: ``--engine reference`` without ``--model`` or without torch, or with a
-            ``--descriptor`` that is not the model's.
-        CheckpointError: the model folder cannot be loaded.
+        BadRequest: ``--engine reference|transformers`` without ``--model`` or without its
+            extra, or with a ``--descriptor`` that is not the model's.
+        CheckpointError: the model folder cannot be loaded, or holds a model the transformers
+            engine refuses (the message names the feature).
     """
     descriptor = None if args.descriptor is None else read_descriptor_file(args.descriptor)
     if args.engine == "reference":
         return _reference_engine(args, descriptor)
+    if args.engine == "transformers":
+        return _transformers_engine(args, descriptor)
     from kvsp.engine.toy import ToyEngine
 
     return ToyEngine(
@@ -564,6 +569,32 @@ def _reference_engine(
             raise
         raise BadRequest(
             f"--engine reference needs {exc.name}: pip install 'kvsp[engine]'"
+        ) from None
+    if descriptor is not None and descriptor != engine.descriptor:
+        raise BadRequest(f"--descriptor is not the descriptor of the model in {args.model}")
+    return engine
+
+
+def _transformers_engine(
+    args: argparse.Namespace, descriptor: CompatibilityDescriptor | None
+) -> InferenceEngine:
+    if args.model is None:
+        raise BadRequest("--engine transformers needs --model DIR (a Hugging Face checkpoint)")
+    try:
+        from kvsp.engine.transformers_engine import HFEngine
+
+        engine = HFEngine(
+            args.model,
+            device=args.device,
+            num_pages=args.kv_capacity_blocks,
+            block_tokens=args.block_tokens,
+            kv_dtype=args.kv_dtype,
+        )
+    except ModuleNotFoundError as exc:  # an optional extra (kvsp[transformers])
+        if exc.name not in {"torch", "safetensors", "transformers", "tokenizers"}:
+            raise
+        raise BadRequest(
+            f"--engine transformers needs {exc.name}: pip install 'kvsp[transformers]'"
         ) from None
     if descriptor is not None and descriptor != engine.descriptor:
         raise BadRequest(f"--descriptor is not the descriptor of the model in {args.model}")

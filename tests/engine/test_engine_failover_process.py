@@ -1,29 +1,32 @@
-"""§6.8 failover on the torch reference engine among real processes: ``kvsp serve control``, a
-``kvsp serve holder`` keeping session replicas and three ``kvsp serve instance --engine
-reference`` over one seeded checkpoint (``kvsp model init``'s kind). The instance serving a
-generation is SIGKILLed mid-stream; the resumed instance loads the prompt's and the generated
-blocks the killed one stored at the holder, replays the rest by decode steps and samples on at
-``output_offset``: the caller's tokens equal an uninterrupted in-process run, for greedy and
-seeded top-p sampling.
+"""§6.8 failover among real processes, for each engine: ``kvsp serve control``, a ``kvsp serve
+holder`` keeping session replicas and three ``kvsp serve instance`` over one checkpoint, either
+``--engine reference`` (a seeded ``kvsp model init`` checkpoint) or ``--engine transformers``
+(tiny random Hugging Face checkpoints of two families, :mod:`tests.support.hf_models`). The
+instance serving a generation is SIGKILLed mid-stream; the resumed instance loads the prompt's
+and the generated blocks the killed one stored at the holder, replays the rest by decode steps
+and samples on at ``output_offset``: the caller's tokens equal an uninterrupted in-process run
+of the same engine over the same folder, for greedy and seeded top-p sampling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-pytest.importorskip("torch", reason="the reference engine needs the torch extra")
+torch = pytest.importorskip("torch", reason="the reference engine needs the torch extra")
 pytest.importorskip("safetensors", reason="the reference engine needs the engine extra")
 
-from kvsp.compat import compat_id  # noqa: E402
-from kvsp.engine.api import GREEDY, Sampling  # noqa: E402
+from kvsp.compat import CompatibilityDescriptor, compat_id  # noqa: E402
+from kvsp.engine.api import GREEDY, InferenceEngine, Sampling  # noqa: E402
 from kvsp.engine.checkpoint import descriptor_for, init_model  # noqa: E402
 from kvsp.engine.reference import TorchEngine  # noqa: E402
 from kvsp.keys import scope_id  # noqa: E402
@@ -31,6 +34,7 @@ from kvsp.services.frontend import FrontEnd, FrontendConfig  # noqa: E402
 from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
 from tests.support import cluster as cluster_kit  # noqa: E402
 
+torch.set_num_threads(1)  # the in-process runs; the instances keep their own defaults
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 B = 8
@@ -38,16 +42,64 @@ SCOPE_KEY = bytes(range(150, 182))
 SCOPE = scope_id(SCOPE_KEY)
 MODEL = {"seed": 13, "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 4_096}
 TOKENS = 320
-"""Enough that the kill lands while the instance is still generating (~1 ms a token)."""
+"""Enough that the kill lands while the instance is still generating (~1 ms a token on the
+reference engine, a few on transformers); prompt and output stay within the Hugging Face
+checkpoints' 512 positions."""
 KILL_AT = 24
 TOP_P = Sampling(method="top-p", params={"p": 0.9}, seed=5)
+HF_FAMILIES = ("llama", "gemma")
+"""Gemma adds a head_dim other than hidden / heads and tied embeddings to llama's layout."""
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    folder = tmp_path_factory.mktemp("torch-failover")
-    model = init_model(folder / "model", **MODEL)  # type: ignore[arg-type]
-    descriptor = descriptor_for(model, block_tokens=B)
+@dataclass(frozen=True)
+class Checkpoint:
+    """One engine's model folder, its descriptor and how to run it in process."""
+
+    engine: str
+    model: Path
+    descriptor: CompatibilityDescriptor
+    prompt_vocab: int
+    """Prompt token ids stay below this (the HF checkpoints' byte tokens)."""
+
+    def open(self) -> InferenceEngine:
+        """A fresh in-process engine over the same folder."""
+        if self.engine == "reference":
+            return TorchEngine(self.model, num_pages=64, block_tokens=B)
+        from kvsp.engine.transformers_engine import HFEngine
+
+        return HFEngine(self.model, num_pages=64, block_tokens=B)
+
+
+@dataclass(frozen=True)
+class Failover:
+    """The running processes of one engine case and the checkpoint they serve."""
+
+    cluster: cluster_kit.Cluster
+    checkpoint: Checkpoint
+
+
+def checkpoint(case: str, folder: Path) -> Checkpoint:
+    """Write the checkpoint of ``case`` ("reference" or an HF family) under ``folder``."""
+    if case == "reference":
+        model = init_model(folder / "model", **MODEL)  # type: ignore[arg-type]
+        return Checkpoint("reference", model, descriptor_for(model, block_tokens=B), 4_000)
+    pytest.importorskip("tokenizers", reason="the transformers engine needs its extra")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("transformers", reason="the transformers engine needs its extra")
+    from kvsp.engine.hf_checkpoint import describe_checkpoint
+    from tests.support.hf_models import write_checkpoint
+
+    model = write_checkpoint(case, folder / "model", seed=13)
+    return Checkpoint("transformers", model, describe_checkpoint(model, block_tokens=B), 256)
+
+
+@pytest.fixture(scope="module", params=["reference", *HF_FAMILIES])
+def failover(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Failover]:
+    folder = tmp_path_factory.mktemp(f"failover-{request.param}")
+    ckpt = checkpoint(request.param, folder)
     write_principals(
         folder / "principals",
         [
@@ -56,14 +108,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         ],
     )
     (folder / "admin.token").write_text(cluster_kit.ADMIN_TOKEN + "\n")
-    (folder / "descriptor.json").write_text(json.dumps(descriptor.to_json()))
+    (folder / "descriptor.json").write_text(json.dumps(ckpt.descriptor.to_json()))
     (folder / "scope.key").write_text(SCOPE_KEY.hex())
     c = cluster_kit.Cluster(folder, httpx.Client(timeout=60))
     token = str(folder / "admin.token")
     described = ("--descriptor", str(folder / "descriptor.json"))
     instance = [
-        *("--control", "", "--token-file", token, "--engine", "reference"),
-        *("--model", str(model), "--block-tokens", str(B), "--kv-capacity-blocks", "256"),
+        *("--control", "", "--token-file", token, "--engine", ckpt.engine),
+        *("--model", str(ckpt.model), "--block-tokens", str(B), "--kv-capacity-blocks", "256"),
         *("--scope-key-file", str(folder / "scope.key"), "--status-ttl-ms", "600"),
     ]
     try:
@@ -77,16 +129,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             ]
             for start in starts:
                 start.result()
-        c.model = model
-        yield c
+        yield Failover(c, ckpt)
     finally:
         c.stop()
         c.http.close()
 
 
-def reference(model: Path, prompt: list[int], sampling: Sampling) -> list[int]:
+def uninterrupted(ckpt: Checkpoint, prompt: list[int], sampling: Sampling) -> list[int]:
+    """The tokens of one uninterrupted in-process run of ``ckpt``'s engine."""
+
     async def run() -> list[int]:
-        engine = TorchEngine(model, num_pages=64, block_tokens=B)
+        engine = ckpt.open()
         try:
             seq = await engine.prefill(prompt, [])
             return [t async for t in seq.tokens(TOKENS, sampling)]
@@ -97,11 +150,12 @@ def reference(model: Path, prompt: list[int], sampling: Sampling) -> list[int]:
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, TOP_P], ids=["greedy", "top-p"])
-def test_a_killed_reference_instance_is_resumed_token_for_token(
-    cluster: Any, sampling: Sampling
+def test_a_killed_instance_is_resumed_token_for_token(
+    failover: Failover, sampling: Sampling
 ) -> None:
-    prompt = [(97 * i + 13 * len(sampling.method)) % 4_000 for i in range(3 * B + 3)]
-    expected = reference(cluster.model, prompt, sampling)
+    cluster, ckpt = failover.cluster, failover.checkpoint
+    prompt = [(97 * i + 13 * len(sampling.method)) % ckpt.prompt_vocab for i in range(3 * B + 3)]
+    expected = uninterrupted(ckpt, prompt, sampling)
     assert len(set(expected)) > 10  # a varied output, not a fixed point that hides errors
     killed: list[str] = []
 
@@ -112,12 +166,12 @@ def test_a_killed_reference_instance_is_resumed_token_for_token(
             cluster.control,
             cluster_kit.CLIENT_TOKEN,
             scope_id=SCOPE,
-            compat_id=compat_id(descriptor_for(cluster.model, block_tokens=B)),
+            compat_id=compat_id(ckpt.descriptor),
             block_tokens=B,
             scope_key=SCOPE_KEY,
             config=config,
         ) as fe:
-            sampler = {"method": sampling.method, "params": dict(sampling.params)}
+            sampler: dict[str, Any] = {"method": sampling.method, "params": dict(sampling.params)}
             sampler["seed"] = sampling.seed
             async for token in fe.generate(prompt, TOKENS, sampler):
                 delivered.append(token)

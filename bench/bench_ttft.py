@@ -26,8 +26,23 @@ The relay and the MOQT client run on qh3 when it is installed (``--moqt-backend`
 aioquic's default 1,200-byte datagrams one 128 KiB block took ~120 ms on these machines, against
 ~1 ms on qh3 (research/perf.md: aioquic is receiver-CPU-bound per packet).
 
-Usage: ``.venv/bin/python bench/bench_ttft.py [--max-tokens N] [--reps R] [--moqt-backend B]``
-(lengths 1k, 4k, 8k, 16k, 32k up to ``--max-tokens``; default 16384).
+``--engine transformers`` runs the transformers engine's core (:class:`HFCore`) instead, on a
+random checkpoint of the same size written by ``tests/support/hf_models.py`` (``--family``,
+default llama; 4 layers, hidden 128, 2 KV heads of 32), against the same two servers. Its
+loaded blocks enter the model's own cache when the sequence starts (one copy per layer per
+block), so it has no overlap column: ``fetch+compute`` is fetching every block verified
+(``INFLIGHT`` in flight: the instance's :class:`BlockClient` over HTTP, :class:`MoqtBlockClient`
+from the relay's cache) plus the prefill of the rest, ``fetch`` the fetching part, ``speedup``
+recompute ÷ fetch+compute; the rounds of a length are interleaved (recompute, then every
+cell, ``--reps`` times) so that a burst of load on a shared machine spoils a round, not a
+column. Its prefill runs in block-aligned chunks (what makes reuse bit-exact), so recompute
+grows faster than linearly with the prompt: lengths 1k and 4k by default, about 35 s on two
+cores.
+
+Usage: ``.venv/bin/python bench/bench_ttft.py [--engine reference|transformers] [--family F]
+[--max-tokens N] [--reps R] [--moqt-backend B]`` (lengths 1k, 4k, 8k, 16k, 32k up to
+``--max-tokens``; default 16384, transformers 4096; best of ``--reps``, default 2,
+transformers 3).
 """
 
 from __future__ import annotations
@@ -51,7 +66,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from kvsp.compat import compat_id  # noqa: E402
-from kvsp.container import Geometry, replica_digest  # noqa: E402
+from kvsp.container import Geometry, decode_container, replica_digest  # noqa: E402
 from kvsp.engine.checkpoint import descriptor_for, init_model  # noqa: E402
 from kvsp.engine.engine import Engine, ExportedBlock  # noqa: E402
 from kvsp.engine.sink import DeviceSink  # noqa: E402
@@ -132,10 +147,10 @@ class Bench:
     """The engine, both servers, the blocks stored at each, and one client per transport."""
 
     def __init__(
-        self, model: Path, servers: tuple[RunningService, RunningService], pages: int, backend: str
+        self, engine: Any, servers: tuple[RunningService, RunningService], backend: str
     ) -> None:
         holder, relay = servers
-        self.engine = Engine(model, num_pages=pages, block_tokens=B, prefill_chunk=CHUNK)
+        self.engine = engine
         self.compat = compat_id(self.engine.descriptor)
         self.geometry = Geometry.from_descriptor(self.engine.descriptor)
         self.base = holder.base_url
@@ -297,6 +312,68 @@ class Bench:
         await asyncio.gather(*(one(r, s) for r, s in zip(records, sinks, strict=True)))
 
 
+class HFBench(Bench):
+    """The same servers and records with the transformers engine's core in this process.
+
+    Its loaded blocks go into the model's own cache when the sequence starts (one copy per
+    layer per block), so there is no layer-wise overlap to measure: each transport fetches
+    every block verified (``INFLIGHT`` in flight, on the event loop thread: the instance's
+    :class:`BlockClient` for HTTP, :class:`MoqtBlockClient` from the relay's cache for MOQT),
+    then the core takes them and prefills the rest."""
+
+    def __init__(
+        self, engine: Any, servers: tuple[RunningService, RunningService], backend: str
+    ) -> None:
+        super().__init__(engine, servers, backend)
+        self.blocks = self.loop.run(self._block_client())
+        self.fetch_s = 0.0  # the fetching part of the last ttft()
+
+    async def _block_client(self) -> BlockClient:
+        return BlockClient(TOKEN, timeout=60)
+
+    def close(self) -> None:
+        self.loop.run(self.blocks.aclose())
+        super().close()
+
+    def export(self, prompt: list[int]) -> list[ExportedBlock]:
+        """The prompt's complete blocks as the core computes them."""
+        seq = self.engine.new_sequence()
+        try:
+            self.engine.prefill(seq, prompt)
+            out = []
+            for index in range(len(prompt) // B):
+                container = self.engine.block_container(seq, index)
+                digests = tuple(decode_container(container).layer_digests())
+                out.append(ExportedBlock(index, container, digests))
+            return out
+        finally:
+            self.engine.free(seq)
+
+    def ttft(
+        self, transport: str, prompt_id: int, prompt: list[int], n: int, overlap: bool
+    ) -> tuple[float, int]:
+        keys = [self.key(prompt_id, i) for i in range(n)]
+        began = time.perf_counter()
+        blocks = self.loop.run(self._fetch_verified(transport, keys)) if keys else []
+        self.fetch_s = time.perf_counter() - began
+        pages = [self.engine.import_loaded(block) for block in blocks]  # verified already
+        token = self.first_token(prompt, pages or None)
+        return time.perf_counter() - began, token
+
+    async def _fetch_verified(self, transport: str, keys: list[BlockKey]) -> list[Any]:
+        gate = asyncio.Semaphore(INFLIGHT)
+
+        async def one(key: BlockKey) -> Any:
+            async with gate:
+                if transport == "http":
+                    record = self.http_records[key]
+                    return await self.blocks.get_block(self.base, record, geometry=self.geometry)
+                record = self.moqt_records[key]
+                return await self.moqt.get_block(record, geometry=self.geometry, block_tokens=B)
+
+        return list(await asyncio.gather(*(one(key) for key in keys)))
+
+
 def best(runs: list[tuple[float, int]], want: int | None = None) -> tuple[float, int]:
     tokens = {t for _, t in runs}
     if len(tokens) != 1 or (want is not None and tokens != {want}):
@@ -306,8 +383,21 @@ def best(runs: list[tuple[float, int]], want: int | None = None) -> tuple[float,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=16384, help="longest prompt")
-    parser.add_argument("--reps", type=int, default=2, help="runs per cell (best is shown)")
+    parser.add_argument(
+        "--engine",
+        choices=["reference", "transformers"],
+        default="reference",
+        help="the reference engine (default) or the transformers engine on a random checkpoint",
+    )
+    parser.add_argument(
+        "--family", default="llama", help="--engine transformers: the checkpoint's family"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, help="longest prompt (default 16384; transformers 4096)"
+    )
+    parser.add_argument(
+        "--reps", type=int, help="runs per cell, best is shown (default 2; transformers 3)"
+    )
     parser.add_argument(
         "--moqt-backend",
         choices=available_backends(),
@@ -316,7 +406,20 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args()
+    hf = args.engine == "transformers"
+    if args.max_tokens is None:
+        args.max_tokens = 4096 if hf else 16384
+    if args.reps is None:
+        args.reps = 3 if hf else 2
     torch.set_num_threads(2)
+    if hf:
+        run_transformers(args)
+    else:
+        run_reference(args)
+
+
+def run_reference(args: argparse.Namespace) -> None:
+    """The reference engine: load+compute and overlap per transport."""
     lengths = [n for n in LENGTHS if n <= args.max_tokens]
     folder = Path(tempfile.mkdtemp(prefix="kvsp-ttft-"))
     model = init_model(
@@ -327,7 +430,8 @@ def main() -> None:
     bench = None
     try:
         pages = 3 * max(lengths) // B + 8
-        bench = Bench(model, (holder, relay), pages, args.moqt_backend)
+        engine = Engine(model, num_pages=pages, block_tokens=B, prefill_chunk=CHUNK)
+        bench = Bench(engine, (holder, relay), args.moqt_backend)
         g = Geometry.from_descriptor(descriptor)
         size = g.section_length(B) * 2 * g.layers
         print(
@@ -366,6 +470,99 @@ def main() -> None:
                         f"{full / min(loaded, lap):>6.2f}x"
                     )
                 print(" ".join(cells), flush=True)
+                rows.append(row)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"rows": rows}), encoding="utf-8")
+    finally:
+        if bench is not None:
+            bench.close()
+        holder.stop()
+        relay.stop()
+
+
+def measure_hf(
+    bench: HFBench, pid: int, prompt: list[int], reps: int
+) -> tuple[float, dict[tuple[float, str], tuple[float, float]]]:
+    """Recompute and every (share, transport) cell, ``reps`` rounds interleaved so that a burst
+    of load on the shared machine spoils one round, not one column: the best recompute, and
+    per cell the best fetch+compute and the best fetch."""
+    recomputes: list[tuple[float, int]] = []
+    runs: dict[tuple[float, str], list[tuple[float, int]]] = {}
+    fetches: dict[tuple[float, str], list[float]] = {}
+    for _ in range(reps):
+        recomputes.append(bench.recompute(prompt))
+        for share in SHARES:
+            n = int(len(prompt) * share) // B
+            for transport in ("http", "moqt"):
+                runs.setdefault((share, transport), []).append(
+                    bench.ttft(transport, pid, prompt, n, False)
+                )
+                fetches.setdefault((share, transport), []).append(bench.fetch_s)
+    full, want = best(recomputes)
+    cells = {cell: (best(r, want)[0], min(fetches[cell])) for cell, r in runs.items()}
+    return full, cells
+
+
+def run_transformers(args: argparse.Namespace) -> None:
+    """The transformers engine on a random checkpoint of the reference model's size: fetch
+    (verified) + compute per transport against recompute."""
+    from transformers.utils import logging as hf_logging
+
+    from kvsp.engine.hf_checkpoint import describe_checkpoint
+    from kvsp.engine.transformers_engine import HFCore
+    from tests.support.hf_models import write_checkpoint
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+    lengths = [n for n in LENGTHS if n <= args.max_tokens]
+    folder = Path(tempfile.mkdtemp(prefix="kvsp-ttft-hf-"))
+    model = write_checkpoint(
+        args.family,
+        folder / "model",
+        seed=7,
+        num_hidden_layers=4,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(lengths),
+    )
+    descriptor = describe_checkpoint(model, block_tokens=B)
+    holder, relay = start_servers(folder, json.dumps(descriptor.to_json()), args.moqt_backend)
+    bench = None
+    try:
+        core = HFCore(model, num_pages=3 * max(lengths) // B + 8, block_tokens=B)
+        bench = HFBench(core, (holder, relay), args.moqt_backend)
+        bench.recompute([7] * (2 * B + 1))  # warm-up: the first forward pass is slower
+        g = Geometry.from_descriptor(descriptor)
+        size = g.section_length(B) * 2 * g.layers
+        print(
+            f"transformers engine, {args.family}: {descriptor.layers} layers, "
+            f"{descriptor.kv_heads} kv heads x {descriptor.head_dim}, fp32 KV, block {B} tokens "
+            f"= {size // 1024} KiB; prefill in block-aligned chunks; best of {args.reps}; torch "
+            f"threads 2; MOQT on {args.moqt_backend}, {INFLIGHT} blocks in flight"
+        )
+        print(
+            f"{'tokens':>6} {'cached':>6} {'recompute':>9} | {'http fetch+compute':>18} "
+            f"{'fetch':>7} {'speedup':>7} | {'moqt fetch+compute':>18} {'fetch':>7} "
+            f"{'speedup':>7}"
+        )
+        rng = random.Random(1)
+        rows: list[dict[str, float]] = []
+        for pid, length in enumerate(lengths):
+            prompt = [rng.randrange(256) for _ in range(length)]
+            bench.store(pid, bench.export(prompt))
+            full, cells = measure_hf(bench, pid, prompt, args.reps)
+            for share in SHARES:
+                line = [f"{length:>6} {share:>6.0%} {full * 1e3:>7.0f}ms"]
+                row = {"tokens": length, "cached": share, "recompute_s": full}
+                for transport in ("http", "moqt"):
+                    took, fetch = cells[share, transport]
+                    row[f"{transport}_load_s"] = took
+                    line.append(
+                        f"| {took * 1e3:>16.0f}ms {fetch * 1e3:>5.0f}ms {full / took:>6.2f}x"
+                    )
+                print(" ".join(line), flush=True)
                 rows.append(row)
         if args.json is not None:
             args.json.write_text(json.dumps({"rows": rows}), encoding="utf-8")

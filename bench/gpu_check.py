@@ -1,4 +1,5 @@
-"""Device check of the KV sink and the reference engine (DESIGN.md §5–6), for a lent GPU.
+"""Device check of the KV sink, the reference engine and the transformers engine (DESIGN.md
+§5–6), for a lent GPU.
 
 Run: ``.venv/bin/python bench/gpu_check.py [--blocks 64] [--device auto]`` (≤ 2 minutes;
 runs on the CPU too). Prints one JSON object:
@@ -6,6 +7,11 @@ runs on the CPU too). Prints one JSON object:
 * ``tiny_model``: a small seeded Llama on the device; blocks exported by engine A and loaded
   through ContainerReader + DeviceSink into engine B give the same logits as B's own
   recompute (``exact``: bit-identical) and the same greedy tokens;
+* ``transformers``: per family of ``--hf-families`` (default llama and gemma, whose head_dim
+  is not hidden/heads), a tiny random checkpoint (``tests/support/hf_models.py``) in the
+  transformers engine's core on the device: blocks exported by core A, verified and loaded
+  into core B's ``DynamicCache`` (``kv_device``), give B's recompute logits (``exact``), the
+  same greedy tokens, and B's own blocks are A's octets; ``skipped`` without the extra;
 * ``sink``: N synthetic blocks (default 64 × 32 layers × 8 kv_heads × 128 dims × bf16 × 16
   tokens = 2 MiB each, independent of the tiny model) fed in 256 KiB chunks through the
   reader and the sink into the paged cache: GB/s with layer-digest verification and without,
@@ -75,6 +81,71 @@ def tiny_model_check(device: torch.device) -> dict[str, Any]:
             "prefill_tokens_per_s": round(b.stats().prefill_tokens_per_s, 1),
             "decode_tokens_per_s": round(b.stats().decode_tokens_per_s, 1),
         }
+
+
+def _greedy(core: Any, prompt: list[int], n: int, pages: list[int] | None) -> list[int]:
+    """``n`` greedy tokens of ``prompt`` on an engine core, its first blocks from ``pages``."""
+    seq = core.new_sequence()
+    try:
+        tokens = [int(core.prefill(seq, prompt, loaded_prefix_pages=pages).argmax())]
+        while len(tokens) < n:
+            tokens.append(int(core.decode(seq, tokens[-1]).argmax()))
+        return tokens
+    finally:
+        core.free(seq)
+
+
+def transformers_check(device: torch.device, families: list[str]) -> dict[str, Any]:
+    """The transformers engine on the device, per family of tiny random checkpoint: blocks
+    exported by core A and loaded into core B's cache (a transformers ``DynamicCache`` on the
+    device) give the logits of B's own recompute (``exact``) and the same greedy tokens, and
+    B's own blocks are the octets A exported."""
+    root = str(Path(__file__).resolve().parents[1])  # tests.support, when run as a script
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        from kvsp.engine.transformers_engine import HFCore
+        from tests.support.hf_models import write_checkpoint
+    except ModuleNotFoundError as exc:  # the transformers extra is optional
+        return {"skipped": f"{exc.name} is not installed: pip install 'kvsp[transformers]'"}
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    out: dict[str, Any] = {}
+    prompt = [(13 * i + 1) % 256 for i in range(100)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            folder = write_checkpoint(family, Path(tmp) / family, seed=7)
+            a = HFCore(folder, device=str(device), num_pages=32, block_tokens=16)
+            b = HFCore(folder, device=str(device), num_pages=32, block_tokens=16)
+            seq = a.new_sequence()
+            a.prefill(seq, prompt)
+            blocks = [a.block_container(seq, i) for i in range(len(prompt) // 16)]
+            a.free(seq)
+            digests = [decode_container(c).layer_digests() for c in blocks]
+            seq = b.new_sequence()
+            full = b.prefill(seq, prompt)
+            same_bytes = all(b.block_container(seq, i) == c for i, c in enumerate(blocks))
+            b.free(seq)
+            load = b.load_prefix(blocks, digests)
+            seq = b.new_sequence()
+            part = b.prefill(seq, prompt, loaded_prefix_pages=load.pages)
+            kv_device = str(seq.cache.layers[0].keys.device)
+            b.free(seq)
+            greedy = _greedy(b, prompt, 16, None)
+            reused = _greedy(b, prompt, 16, b.load_prefix(blocks, digests).pages)
+            out[family] = {
+                "blocks": len(blocks),
+                "loaded": len(load.pages),
+                "kv_device": kv_device,
+                "exact": bool(torch.equal(full, part)),
+                "max_abs_diff": float((full - part).abs().max()),
+                "greedy_equal": greedy == reused,
+                "loaded_bytes_equal_recomputed": same_bytes,
+                "prefill_tokens_per_s": round(b.stats().prefill_tokens_per_s, 1),
+                "decode_tokens_per_s": round(b.stats().decode_tokens_per_s, 1),
+            }
+    return out
 
 
 def make_blocks(args: argparse.Namespace, cache: PagedKVCache) -> list[tuple[bytes, list[bytes]]]:
@@ -211,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--prefix", type=int, default=16, help="blocks in the overlap test")
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument(
+        "--hf-families",
+        default="llama,gemma",
+        help="transformers engine check on these tiny checkpoints ('' to skip)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (CPU default: 1)")
     args = p.parse_args(argv)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -227,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_model:
         report["tiny_model"] = tiny_model_check(device)
+    if args.hf_families:
+        report["transformers"] = transformers_check(device, args.hf_families.split(","))
     cache = PagedKVCache(
         num_pages=args.blocks,
         layers=args.layers,
@@ -249,8 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     report["overlap"] = overlap(cache, blocks, min(args.prefix, args.blocks), args.reps)
     report["elapsed_s"] = round(time.perf_counter() - started, 2)
     model = report.get("tiny_model", {"exact": True, "greedy_equal": True})
+    hf = [x for x in report.get("transformers", {}).values() if isinstance(x, dict)]
     report["ok"] = bool(
-        report["sink"]["pages_equal_source"] and model["exact"] and model["greedy_equal"]
+        report["sink"]["pages_equal_source"]
+        and model["exact"]
+        and model["greedy_equal"]
+        and all(x["exact"] and x["greedy_equal"] and x["loaded_bytes_equal_recomputed"] for x in hf)
+        and all(x["loaded"] == x["blocks"] for x in hf)
     )
     json.dump(report, sys.stdout, indent=2)
     print()

@@ -27,24 +27,13 @@ from kvsp.engine.config import (
     ModelConfig,
     RopeScaling,
     read_config,
+    weight_files,
 )
 from kvsp.engine.model import LAYER_TENSORS, LayerWeights, Weights, expected_shapes
 from kvsp.engine.tokenizer import TOKENIZER_FILE, ByteTokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def weight_files(folder: str | Path) -> list[Path]:
-    """The ``*.safetensors`` files of a checkpoint, ascending by file name (§4.1 order).
-
-    Raises:
-        CheckpointError: there are none.
-    """
-    files = sorted(Path(folder).glob("*.safetensors"), key=lambda p: p.name.encode())
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors weight files")
-    return files
 
 
 def _tensor_index(files: list[Path]) -> dict[str, Path]:

@@ -230,3 +230,15 @@ def _rope_scaling(f: Fields) -> RopeScaling | None:
         high_freq_factor=high,
         original_max_position_embeddings=s.integer("original_max_position_embeddings", minimum=1),
     )
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The ``*.safetensors`` files of a checkpoint, ascending by file name (§4.1 order).
+
+    Raises:
+        CheckpointError: there are none.
+    """
+    files = sorted(Path(folder).glob("*.safetensors"), key=lambda p: p.name.encode())
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weight files")
+    return files

@@ -42,7 +42,7 @@ from typing import Any
 import rfc8785
 
 from kvsp.compat import CompatibilityDescriptor, file_digest, model_digest_of
-from kvsp.engine.config import CheckpointError, format_number
+from kvsp.engine.config import CheckpointError, format_number, weight_files
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -166,18 +166,6 @@ def geometry_of_config(config: Any) -> tuple[int, int, int]:
     if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in out):
         raise UnsupportedModel(f"{config.model_type}: per-layer or missing KV dimensions {out}")
     return out  # type: ignore[return-value]
-
-
-def weight_files(folder: str | Path) -> list[Path]:
-    """The ``*.safetensors`` files, ascending by the octets of their names (§4.1 order).
-
-    Raises:
-        CheckpointError: there are none.
-    """
-    files = sorted(Path(folder).glob("*.safetensors"), key=lambda p: p.name.encode())
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors weight files")
-    return files
 
 
 def tokenizer_files(folder: str | Path) -> list[Path]:

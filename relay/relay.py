@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from kvsp.errors import Unauthorized
 from kvsp.web.auth import Principal, Principals
+from kvsp.web.background import raise_if_cancelling
 from kvsp.web.clock import Clock, SystemClock
 from moqt.asyncio import MOQTConnection, MOQTServer, serve
 from moqt.backend import DEFAULT_DATAGRAM_SIZE, TransportConfig, get_backend, transport_banner
@@ -605,9 +606,11 @@ class Relay(Announcements):
     async def _maintain(self) -> None:
         while True:
             await asyncio.sleep(self.config.maintenance_s)
+            raise_if_cancelling()
             try:
                 await self._upkeep()
             except Exception:  # noqa: BLE001 - keep the relay running; the next pass retries
+                raise_if_cancelling()
                 log.exception("cache upkeep failed")
 
     async def _upkeep(self) -> None:

@@ -75,6 +75,7 @@ from kvsp.stores.blocks import (
     verified_meta,
 )
 from kvsp.web.auth import Principal, require_scope
+from kvsp.web.background import raise_if_cancelling
 from kvsp.web.clock import Clock
 
 if TYPE_CHECKING:  # an annotation only: a holder alone does not load the client side
@@ -255,6 +256,7 @@ class Holder:
             try:
                 await self.refresh_due()
             except Exception:  # a bad round must not end refreshing for good
+                raise_if_cancelling()
                 _log.exception("refreshing replica records failed")
             interval = min((p.ttl_ms for p in self._published.values()), default=None)
             seconds = (interval or self.config.record_ttl_ms) / 6000

@@ -62,6 +62,7 @@ from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web import auth
 from kvsp.web.auth import Principal, Principals, principal_of
+from kvsp.web.background import raise_if_cancelling
 from kvsp.web.cliargs import (
     add_epoch_skew_argument,
     load_principals,
@@ -271,10 +272,13 @@ async def sweep_forever(index: IndexService, clock: Clock, config: IndexConfig) 
     yielding to requests between chunks. A failing store is logged and retried."""
     while True:
         await asyncio.sleep(config.sweep_interval_s)
+        raise_if_cancelling()  # a cancel a client library ate on the way still ends the loop
         try:
             while await index.sweep(clock.now_ms(), config.sweep_chunk) >= config.sweep_chunk:
                 await asyncio.sleep(0)
+                raise_if_cancelling()
         except Exception:
+            raise_if_cancelling()
             _log.exception("sweeping expired replica records failed")
 
 

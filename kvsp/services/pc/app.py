@@ -88,6 +88,7 @@ from kvsp.stores.sessions import SessionStore
 from kvsp.stores.shardmaps import ShardMapStore
 from kvsp.web import auth
 from kvsp.web.auth import Principals, principal_of
+from kvsp.web.background import raise_if_cancelling
 from kvsp.web.cliargs import add_epoch_skew_argument, load_principals, positive_int, serve_config
 from kvsp.web.client import BaseClient
 from kvsp.web.clock import Clock, SystemClock
@@ -189,11 +190,13 @@ async def sweep_forever(pc: PlacementController) -> None:
     start moving their sessions (§6.3, §6.8); drop sessions past their retention."""
     while True:
         await asyncio.sleep(pc.config.status_sweep_ms / 1000)
+        raise_if_cancelling()
         try:
             pc.sweep()
             await pc.sessions.recover()
             await pc.sessions.expire()
         except Exception:
+            raise_if_cancelling()
             _log.exception("sweeping expired instance records failed")
 
 

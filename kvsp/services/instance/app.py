@@ -565,14 +565,8 @@ def _reference_engine(
             dtype=args.dtype,
         )
     except ModuleNotFoundError as exc:  # torch is an optional extra (kvsp[engine])
-        if exc.name not in {"torch", "safetensors"}:
-            raise
-        raise BadRequest(
-            f"--engine reference needs {exc.name}: pip install 'kvsp[engine]'"
-        ) from None
-    if descriptor is not None and descriptor != engine.descriptor:
-        raise BadRequest(f"--descriptor is not the descriptor of the model in {args.model}")
-    return engine
+        raise _missing_extra(exc, "reference", "engine", {"torch", "safetensors"}) from None
+    return _matching(engine, descriptor, args.model)
 
 
 def _transformers_engine(
@@ -591,13 +585,27 @@ def _transformers_engine(
             kv_dtype=args.kv_dtype,
         )
     except ModuleNotFoundError as exc:  # an optional extra (kvsp[transformers])
-        if exc.name not in {"torch", "safetensors", "transformers", "tokenizers"}:
-            raise
-        raise BadRequest(
-            f"--engine transformers needs {exc.name}: pip install 'kvsp[transformers]'"
-        ) from None
+        modules = {"torch", "safetensors", "transformers", "tokenizers"}
+        raise _missing_extra(exc, "transformers", "transformers", modules) from None
+    return _matching(engine, descriptor, args.model)
+
+
+def _missing_extra(
+    exc: ModuleNotFoundError, engine: str, extra: str, modules: set[str]
+) -> Exception:
+    """The error for an engine whose optional extra is not installed (``exc`` itself when
+    the missing module is not one of the extra's)."""
+    if exc.name not in modules:
+        return exc
+    return BadRequest(f"--engine {engine} needs {exc.name}: pip install 'kvsp[{extra}]'")
+
+
+def _matching(
+    engine: InferenceEngine, descriptor: CompatibilityDescriptor | None, model: object
+) -> InferenceEngine:
+    """``engine``, when ``--descriptor`` (if given) is the descriptor of its model."""
     if descriptor is not None and descriptor != engine.descriptor:
-        raise BadRequest(f"--descriptor is not the descriptor of the model in {args.model}")
+        raise BadRequest(f"--descriptor is not the descriptor of the model in {model}")
     return engine
 
 

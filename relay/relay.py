@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 from kvsp.errors import Unauthorized
 from kvsp.web.auth import Principal, Principals
+from kvsp.web.background import raise_if_cancelling
 from kvsp.web.clock import Clock, SystemClock
 from moqt.asyncio import MOQTConnection, MOQTServer, serve
 from moqt.backend import DEFAULT_DATAGRAM_SIZE, TransportConfig, get_backend, transport_banner
@@ -608,6 +609,7 @@ class Relay(Announcements):
             try:
                 await self._upkeep()
             except Exception:  # noqa: BLE001 - keep the relay running; the next pass retries
+                raise_if_cancelling()
                 log.exception("cache upkeep failed")
 
     async def _upkeep(self) -> None:

@@ -62,6 +62,7 @@ from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
 from kvsp.web import auth
 from kvsp.web.auth import Principal, Principals, principal_of
+from kvsp.web.background import raise_if_cancelling
 from kvsp.web.cliargs import (
     add_epoch_skew_argument,
     load_principals,
@@ -69,7 +70,7 @@ from kvsp.web.cliargs import (
     serve_config,
 )
 from kvsp.web.clock import Clock, SystemClock
-from kvsp.web.http import JsonLimits, install_operations, read_json
+from kvsp.web.http import JsonLimits, install_operations, read_json, store_readiness
 from kvsp.web.metrics import observe_lookup
 from kvsp.web.problems import install_problem_handlers, kvsp_json
 from kvsp.web.roles import install_roles
@@ -275,6 +276,7 @@ async def sweep_forever(index: IndexService, clock: Clock, config: IndexConfig) 
             while await index.sweep(clock.now_ms(), config.sweep_chunk) >= config.sweep_chunk:
                 await asyncio.sleep(0)
         except Exception:
+            raise_if_cancelling()
             _log.exception("sweeping expired replica records failed")
 
 
@@ -358,7 +360,8 @@ def create_index_app(
     app.state.index = index
     install_roles(app, "index")
     install_problem_handlers(app)
-    install_operations(app, "index", "KVSP Index Service")
+    readiness = store_readiness(index.store.count)
+    install_operations(app, "index", "KVSP Index Service", readiness=readiness)
     return app
 
 

@@ -73,6 +73,31 @@ def _scope_key(args: argparse.Namespace) -> bytes:
         raise CLIError(f"--scope-key-file {args.scope_key_file}: not hex") from None
 
 
+SCOPE_KEY_OCTETS = 32
+"""Octets of a scope key made by ``kvsp scope-key new`` (§4.2 keys it with HMAC-SHA-256)."""
+
+
+def _cmd_scope_key_new(args: argparse.Namespace) -> int:
+    import os
+    import secrets
+
+    from kvsp.keys import scope_id
+
+    key = secrets.token_bytes(SCOPE_KEY_OCTETS)
+    path: Path = args.file
+    try:  # O_EXCL: never overwrite a key (blocks keyed by it would be lost to their scope)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise CLIError(f"{path} exists; a scope key is never overwritten") from None
+    except OSError as exc:
+        raise CLIError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        os.fchmod(f.fileno(), 0o600)  # whatever the umask
+        f.write(key.hex() + "\n")
+    print(scope_id(key).hex())
+    return 0
+
+
 def _cmd_scope_id(args: argparse.Namespace) -> int:
     from kvsp.keys import scope_id
 
@@ -287,6 +312,13 @@ def _add_generate_command(sub: Any) -> None:
         help="release no token before the PC acknowledged a checkpoint covering it",
     )
     p.add_argument("--text", action="store_true", help="print byte tokens as text, not NDJSON")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="then print on stderr the instance, matched, loaded and computed blocks, the "
+        "directive, TTFT, session id and failovers",
+    )
     p.set_defaults(handler=_cmd_generate)
 
 
@@ -326,6 +358,17 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
     p = sub.add_parser("scope-id", help="§4.2 Scope ID of a scope key (hex16)")
     _add_scope_key(p)
     p.set_defaults(handler=_cmd_scope_id)
+
+    key_cmd = sub.add_parser("scope-key", help="§4.2 scope keys (the secret behind a scope)")
+    ksub = key_cmd.add_subparsers(metavar="ACTION", required=True)
+    p = ksub.add_parser(
+        "new",
+        help="write a new random scope key (hex, mode 0600) to FILE; print its Scope ID",
+        description="Write 32 random octets as hex to FILE (mode 0600; an existing FILE is "
+        "never overwritten) and print the Scope ID (hex16). Give FILE to --scope-key-file.",
+    )
+    p.add_argument("file", type=Path, metavar="FILE")
+    p.set_defaults(handler=_cmd_scope_key_new)
 
     p = sub.add_parser("block-keys", help="§4.2 Block Keys of a token sequence, one per line")
     _add_scope_key(p)
@@ -396,9 +439,44 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
     return parser
 
 
+EXIT_PIPE = 141
+"""Exit status when stdout was closed early (``kvsp status | head -1``): 128 + SIGPIPE, as a
+shell reports a command that SIGPIPE ended."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``kvsp`` command; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the ``kvsp`` command; returns the exit status.
+
+    A reader that closes stdout early (``| head``) ends the command quietly with
+    :data:`EXIT_PIPE`: stdout is pointed at ``/dev/null`` so that the flush at exit cannot
+    fail again (the recipe of Python's ``signal`` documentation, "Note on SIGPIPE").
+    """
+    try:
+        try:
+            status = _run(list(sys.argv[1:] if argv is None else argv))
+        finally:  # --help and usage errors exit through SystemExit: flush before it too
+            sys.stdout.flush()  # a buffered tail meets the closed pipe here, not at exit
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_PIPE
+    return status
+
+
+def _stdout_to_devnull() -> None:
+    import os
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a caller (tests): nothing to do
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _run(argv: list[str]) -> int:
     parser = build_parser(load_services=argv[:1] == ["serve"], load_sim=argv[:1] == ["sim"])
     args = parser.parse_args(argv)
     try:

@@ -243,6 +243,15 @@ class StoreUnavailable(KVSPError):
     title = "Store unavailable"
 
 
+class NotReady(KVSPError):
+    """A live service that is not ready to serve: its ``GET /readyz`` (503
+    ``kvsp-not-ready``; ``detail`` says why, e.g. its Index Service does not answer)."""
+
+    problem = "kvsp-not-ready"
+    status = 503
+    title = "Not ready"
+
+
 # --- peers and transfer -------------------------------------------------------------------------
 
 

@@ -5,7 +5,7 @@ Usage (``python -m relay.app`` takes the same options)::
     kvsp serve relay --listen 127.0.0.1:4443 [--cert C --key K] [--index URL --token-file F]
                      [--qmux-listen HOST:PORT|off] [--qmux-tcp-listen HOST:PORT]
                      [--qmux-unix PATH] [--trusted-network]
-                     [--upstream moqt://origin:4443/ --upstream-cafile PEM]
+                     [--upstream moqt://origin:4443/] [--cafile PEM | --insecure]
                      [--http-listen 127.0.0.1:0] [--cache-size 1GiB] [--open]
 
 * MOQT draft-16 over raw QUIC (ALPN ``moqt-16``) on ``--listen`` (UDP). Without ``--cert`` and
@@ -19,7 +19,11 @@ Usage (``python -m relay.app`` takes the same options)::
 * Peers authenticate with the AUTHORIZATION TOKEN setup parameter (USE_VALUE) against the
   principals file (``--principals``, default ``STATE/principals.toml`` made with one admin
   token). ``--open`` runs without principals (interop testing): every peer may do everything.
-* The HTTP holder face (leases, healthz) listens on ``--http-listen`` (TCP, default port 0).
+* The HTTP holder face (leases, healthz) listens on ``--http-listen`` (TCP, default port 0);
+  over TLS with ``--cert``/``--key``, else plain HTTP.
+* ``--cafile PEM`` (or ``--insecure``, tests only) is what every outbound TLS connection trusts:
+  the upstream relay's MOQT face and the IS; ``--upstream-cafile``/``--upstream-insecure`` are
+  deprecated aliases.
 * ``--index URL`` makes it a KVSP holder: every complete stored replica track in its cache is
   published there as a Replica Record (its token read from ``--token-file``); without it the
   relay only relays and caches.
@@ -59,9 +63,11 @@ from kvsp.web.cliargs import (
     positive_int,
     positive_size,
     read_timeouts,
+    trust_from_args,
 )
 from kvsp.web.clock import SystemClock
 from kvsp.web.runner import write_ready_file
+from kvsp.web.trust import Trust
 from moqt.backend import (
     BACKENDS,
     DEFAULT_DATAGRAM_SIZE,
@@ -127,8 +133,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     add("--upstream", metavar="URL", help="upstream relay, moqt://host:port/ (edge → origin)")
     add("--upstream-token-file", type=Path, metavar="FILE", help="token for the upstream relay")
-    add("--upstream-cafile", type=Path, metavar="PEM", help="pin the upstream's certificate")
-    add("--upstream-insecure", action="store_true", help="do not verify the upstream (tests)")
+    add("--upstream-cafile", type=Path, metavar="PEM", help="deprecated alias of --cafile")
+    add("--upstream-insecure", action="store_true", help="deprecated alias of --insecure")
     add("--index", metavar="URL", help="Index Service to publish Replica Records at")
     add("--token-file", type=Path, metavar="FILE", help="file holding the IS token")
     add("--public-url", metavar="URL", help="moqt:// URI named in records (default: its own)")
@@ -189,7 +195,7 @@ def _certificates(args: argparse.Namespace) -> tuple[Path, Path]:
     return make_self_signed("localhost", folder)
 
 
-def _upstream(args: argparse.Namespace) -> UpstreamConfig | None:
+def _upstream(args: argparse.Namespace, trust: Trust) -> UpstreamConfig | None:
     if args.upstream is None:
         return None
     try:
@@ -204,8 +210,8 @@ def _upstream(args: argparse.Namespace) -> UpstreamConfig | None:
     return UpstreamConfig(
         url=args.upstream,
         token=token,
-        cafile=args.upstream_cafile,
-        verify=not args.upstream_insecure,
+        cafile=None if trust.cafile is None else Path(trust.cafile),
+        verify=trust.verify,
         backend=args.backend or default_backend(),
     )
 
@@ -227,8 +233,9 @@ def _index_token(args: argparse.Namespace) -> str | None:
     return None
 
 
-def relay_config(args: argparse.Namespace) -> RelayConfig:
-    """The :class:`RelayConfig` the options describe.
+def relay_config(args: argparse.Namespace, trust: Trust | None = None) -> RelayConfig:
+    """The :class:`RelayConfig` the options describe; ``trust`` (default: read from ``args``)
+    is the process's one TLS trust (``--cafile``/``--insecure``), the upstream's included.
 
     Raises:
         BadRequest: inconsistent or malformed options.
@@ -264,7 +271,7 @@ def relay_config(args: argparse.Namespace) -> RelayConfig:
         datagram_size=args.quic_datagram_size,
         cache_bytes=args.cache_size,
         principals=_principals(args),
-        upstream=_upstream(args),
+        upstream=_upstream(args, trust_from_args(args) if trust is None else trust),
         public_url=args.public_url,
     )
 
@@ -276,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
         BadRequest: inconsistent options.
     """
     logging.basicConfig(level=str(args.log_level).upper())
-    config = relay_config(args)
+    trust = trust_from_args(args)
+    config = relay_config(args, trust)
     token = _index_token(args)
     holder_config = HolderConfig(
         record_ttl_ms=args.record_ttl_ms,
@@ -288,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         capacity=config.cache_bytes,
     )
     http_host, http_port = parse_listen(args.http_listen)
-    asyncio.run(_serve(args, config, holder_config, token, (http_host, http_port)))
+    asyncio.run(_serve(args, config, holder_config, token, (http_host, http_port), trust))
     return 0
 
 
@@ -298,6 +306,7 @@ async def _serve(
     holder_config: HolderConfig,
     token: str | None,
     http_address: tuple[str, int],
+    trust: Trust,
 ) -> None:
     from kvsp.services.index.client import IndexClient
 
@@ -309,7 +318,7 @@ async def _serve(
     async with contextlib.AsyncExitStack() as stack:
         index = None
         if args.index is not None:
-            index = await stack.enter_async_context(IndexClient(args.index, token))
+            index = await stack.enter_async_context(IndexClient(args.index, token, trust=trust))
         holder = RelayHolder(holder_config, clock, index)
         tls = args.cert is not None
         face = HttpFace(

@@ -6,9 +6,12 @@ It reads the endpoints from a state folder's ``cluster.json`` (written by ``kvsp
 ``--token-file`` for any control plane. Tables:
 
 * instances: ``GET instances`` at the PC: state, the state last reported, load, epoch;
-* replicas per holder: ``GET replicas`` at the IS (live records and octets per holder), when
-  the IS offers it;
-* sessions: ``GET sessions`` at the PC, when the PC lists them.
+* replicas per holder, the holder list: ``GET replicas`` at the IS (every holder with a live
+  record, its records and octets), over the memory and the Redis store alike;
+* sessions: ``GET sessions`` at the PC (the most recently changed first), over either store.
+
+The KV column is the instance's reported ``kv_utilization``: below 1 % it keeps two
+significant digits, so an instance holding a few blocks of a large cache does not read 0 %.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def print_status(console: Console, target: Target) -> int:
             _endpoints(console, target.endpoints)
         _instances(console, target, listed)
         print_replicas(console, target.names, http.get("replicas"))
-        _sessions(console, http.get("sessions"))
+        _sessions(console, target.names, http.get("sessions"))
     return 0
 
 
@@ -123,7 +126,7 @@ def _instances(console: Console, target: Target, answer: httpx.Response) -> None
             r["running"],
             r["queued"],
             r["epoch"],
-            f"{100 * float(r.get('kv_utilization', 0)):.0f}%",
+            kv_share(float(r.get("kv_utilization", 0))),
             r["age_ms"],
         ]
         for r in answer.json().get("instances", [])
@@ -132,6 +135,15 @@ def _instances(console: Console, target: Target, answer: httpx.Response) -> None
     console.table([*headers, "age ms"], rows)
     if not rows:
         console.line("(no instance has reported yet)")
+
+
+def kv_share(utilization: float) -> str:
+    """``kv_utilization`` (0..1) as a percentage: whole percents from 1 % up, two significant
+    digits below, ``0%`` only when nothing is in use."""
+    percent = 100 * utilization
+    if percent == 0 or percent >= 1:
+        return f"{percent:.0f}%"
+    return f"{percent:.2g}%"
 
 
 def print_replicas(console: Console, names: dict[str, str], answer: httpx.Response) -> None:
@@ -146,17 +158,27 @@ def print_replicas(console: Console, names: dict[str, str], answer: httpx.Respon
     ]
     console.table(["holder", "replicas", "KiB"], rows)
     if not rows:
-        console.line("(no live replica records)")
+        console.line("(no holder has a live replica record)")
 
 
-def _sessions(console: Console, answer: httpx.Response) -> None:
+def _sessions(console: Console, names: dict[str, str], answer: httpx.Response) -> None:
     console.heading("Sessions (PC)")
     if answer.status_code != 200:
         console.line(f"(the PC does not list sessions: GET sessions {_why(answer)})")
         return
     sessions: list[dict[str, Any]] = answer.json().get("sessions", [])
-    keys = sorted({k for s in sessions for k in s if not isinstance(s[k], dict | list)})
-    console.table(keys, [[s.get(k) for k in keys] for s in sessions])
+    rows = [
+        [
+            s.get("session"),
+            names.get(s.get("instance") or "", s.get("instance")),
+            s.get("epoch"),
+            s.get("state"),
+            s.get("output_offset"),
+            s.get("detail", ""),
+        ]
+        for s in sessions
+    ]
+    console.table(["session", "instance", "epoch", "state", "tokens", "detail"], rows)
     if not sessions:
         console.line("(no sessions)")
 

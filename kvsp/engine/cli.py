@@ -2,19 +2,25 @@
 Descriptor (spec §4.1; DESIGN.md §5), for ``kvsp serve instance --engine reference --model``.
 
 ``kvsp model init DIR`` writes ``config.json``, the safetensors weights and ``tokenizer.json``
-(deterministic from the seed); ``kvsp model descriptor DIR`` prints the descriptor computed
-from those files as JSON. torch is imported only when a command runs.
+(deterministic from the seed) and ``descriptor.json``, the descriptor of those files (for
+``kvsp compat-id``, ``kvsp generate --descriptor`` and ``--descriptor`` of the services);
+``kvsp model descriptor DIR`` prints the descriptor computed from those files as JSON. torch
+is imported only when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
+
+DESCRIPTOR_FILE = "descriptor.json"
+"""What ``kvsp model init`` names the checkpoint's Compatibility Descriptor in its folder."""
 
 
 def _cmd_init(args: argparse.Namespace) -> int:
-    from kvsp.engine.checkpoint import init_model
+    from kvsp.engine.checkpoint import descriptor_for, init_model
 
     folder = init_model(
         args.folder,
@@ -28,6 +34,9 @@ def _cmd_init(args: argparse.Namespace) -> int:
         tie_embeddings=args.tie_embeddings,
         weights_dtype=args.weights_dtype,
     )
+    descriptor = descriptor_for(folder, block_tokens=args.block_tokens, kv_dtype=args.kv_dtype)
+    path = Path(folder) / DESCRIPTOR_FILE
+    path.write_text(json.dumps(descriptor.to_json(), indent=2, sort_keys=True) + "\n")
     print(folder)
     return 0
 
@@ -55,6 +64,8 @@ def configure_model_parser(sub: Any) -> None:
     p.add_argument("--max-positions", type=int, default=4096)
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--weights-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--block-tokens", type=int, default=16, metavar="B", help="descriptor.json's")
+    p.add_argument("--kv-dtype", default="fp32", metavar="T", help="descriptor.json's")
     p.set_defaults(handler=_cmd_init)
     p = msub.add_parser("descriptor", help="print the Compatibility Descriptor of DIR (§4.1)")
     p.add_argument("folder", metavar="DIR")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import operator
+import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
@@ -51,7 +52,7 @@ from kvsp.stores.sessions import SessionStore
 from kvsp.web.auth import Principals
 from kvsp.web.cliargs import load_principals, serve_config
 from kvsp.web.clock import Clock, SystemClock
-from kvsp.web.http import install_operations
+from kvsp.web.http import install_operations, store_readiness
 from kvsp.web.problems import install_problem_handlers
 from kvsp.web.roles import install_roles
 from kvsp.web.runner import serve
@@ -174,7 +175,10 @@ def create_control_app(
     app.state.pc = pc
     install_roles(app, "control")
     install_problem_handlers(app)
-    install_operations(app, "control", "KVSP control plane (Index Service and PC)")
+    readiness = store_readiness(index.store.count, lambda: pc.sessions.store.get(uuid.UUID(int=0)))
+    install_operations(
+        app, "control", "KVSP control plane (Index Service and PC)", readiness=readiness
+    )
     return app
 
 

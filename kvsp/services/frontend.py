@@ -43,7 +43,7 @@ from kvsp.errors import BadRequest, NotActive, NotFound, SessionFailed, Transpor
 from kvsp.ids import CompatId, ScopeId, parse_compat_id, parse_scope_id
 from kvsp.keys import block_keys
 from kvsp.keys import scope_id as scope_id_of
-from kvsp.records import PlaceRequest
+from kvsp.records import PlaceRequest, PlaceResponse
 from kvsp.services.index.client import IndexClient
 from kvsp.services.pc.client import PCClient, SessionView
 from kvsp.stores.descriptors import read_descriptor_file
@@ -95,6 +95,14 @@ class FrontendStats:
     reattached: int = 0
     restarted: int = 0
     sessions: list[uuid.UUID] = field(default_factory=list)
+    placement: PlaceResponse | None = None
+    """The PC's last answer to ``POST place``: instance, matched blocks, directive."""
+    loaded_blocks: int | None = None
+    """``kvsp-loaded-blocks`` of the last ``POST generate`` answer (prompt blocks loaded)."""
+    computed_blocks: int | None = None
+    """``kvsp-computed-blocks`` of the same answer (prompt blocks computed)."""
+    moves: int = 0
+    """Times the stream was picked up at another instance or a later epoch (failovers)."""
 
 
 class _StartOver(Exception):
@@ -248,12 +256,20 @@ class FrontEnd:
                     await answer.aread()
                     queue.put_nowait(("refused", problem_error(answer)))
                     return
+                if method == "POST":  # a generation: how much of the prompt was loaded
+                    self.stats.loaded_blocks = _count_header(answer, "kvsp-loaded-blocks")
+                    self.stats.computed_blocks = _count_header(answer, "kvsp-computed-blocks")
                 async for line in answer.aiter_lines():
                     if line.strip():
                         queue.put_nowait(("line", _token_line(json.loads(line))))
             queue.put_nowait(("end", None))
         except (httpx.HTTPError, ValueError) as exc:
             queue.put_nowait(("broken", TransportError(f"{type(exc).__name__}: {exc}")))
+
+
+def _count_header(answer: httpx.Response, name: str) -> int | None:
+    value = answer.headers.get(name, "")
+    return int(value) if value.isdigit() else None
 
 
 def _token_line(obj: object) -> dict[str, Any]:
@@ -290,6 +306,7 @@ class _Run:
         self.next = 0
         self.epoch = 0
         self.stream: _Stream | None = None
+        self.serving: tuple[str, int] | None = None  # instance and epoch of the last stream
 
     async def close(self) -> None:
         if self.stream is not None:
@@ -305,7 +322,9 @@ class _Run:
         request = self.fe.place_request(self.session, self.prompt)
         while True:
             try:
-                return (await self.fe.pc.place(request)).instance
+                placed = await self.fe.pc.place(request)
+                self.fe.stats.placement = placed
+                return placed.instance
             except NotActive:
                 if time.monotonic() + delay > deadline:
                     raise
@@ -361,6 +380,10 @@ class _Run:
         return Token(index=index, epoch=epoch, token=token, instance=stream.instance)
 
     async def _switch(self, stream: _Stream) -> None:
+        last = self.serving
+        if last is not None and (last[0] != stream.instance or stream.epoch > last[1]):
+            self.fe.stats.moves += 1
+        self.serving = (stream.instance, stream.epoch)
         await self.close()
         self.stream = stream
         self.fe.current = stream.instance
@@ -476,19 +499,53 @@ async def _generate(args: argparse.Namespace) -> int:
     compat, block_tokens = await _model(args, args.pc, token)
     prompt = _prompt_of(args)
     out = sys.stdout
+    started = time.monotonic()
+    first: float | None = None
     async with FrontEnd(
         args.pc, token, scope_id=scope, compat_id=compat, block_tokens=block_tokens, scope_key=key
     ) as fe:
-        async for t in fe.generate(prompt, args.max_tokens, _sampler_of(args)):
-            if args.text:
-                out.write(bytes([t.token]).decode("latin-1") if t.token < 256 else "")
-            else:
-                out.write(json.dumps({"index": t.index, "epoch": t.epoch, "token": t.token}))
-                out.write("\n")
-            out.flush()
+        try:
+            async for t in fe.generate(prompt, args.max_tokens, _sampler_of(args)):
+                if first is None:
+                    first = time.monotonic() - started
+                if args.text:
+                    out.write(bytes([t.token]).decode("latin-1") if t.token < 256 else "")
+                else:
+                    out.write(json.dumps({"index": t.index, "epoch": t.epoch, "token": t.token}))
+                    out.write("\n")
+                out.flush()
+        finally:
+            if getattr(args, "verbose", False):
+                _report(fe, first)
     if args.text:
         out.write("\n")
     return 0
+
+
+def _report(fe: FrontEnd, ttft_s: float | None) -> None:
+    """``--verbose``: how the generation went, as ``kvsp: NAME: VALUE`` lines on stderr (stdout
+    keeps only the tokens)."""
+    stats = fe.stats
+    placed = stats.placement
+    blocks = (
+        "unknown"
+        if stats.loaded_blocks is None or stats.computed_blocks is None
+        else f"{stats.loaded_blocks} loaded, {stats.computed_blocks} computed"
+    )
+    lines = {
+        "instance": fe.current or (placed.instance if placed else "none"),
+        "placed at": placed.instance if placed else "none",
+        "matched blocks": placed.matched if placed else "unknown",
+        "directive": placed.directive if placed and placed.directive else "none",
+        "blocks": blocks,
+        "TTFT": "no token" if ttft_s is None else f"{1000 * ttft_s:.1f} ms",
+        "session": stats.sessions[-1] if stats.sessions else "none",
+        "failovers": stats.moves,
+        "restarts": stats.restarted,
+        "dropped tokens": f"{stats.stale} stale, {stats.duplicates} duplicate",
+    }
+    for name, value in lines.items():
+        print(f"kvsp: {name}: {value}", file=sys.stderr)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -53,8 +53,9 @@ import redis.asyncio as aioredis
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
 from kvsp.errors import BadRequest, RecordError, StoreUnavailable
+from kvsp.fields import UINT64_MAX
 from kvsp.ids import CompatId
-from kvsp.index import StoredReplica, holder_id_of
+from kvsp.index import HolderCensus, StoredReplica, holder_id_of
 from kvsp.records import InstanceStatusRecord, ReplicaRecord, dumps, loads
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.redis_lua import SCRIPTS
@@ -445,6 +446,34 @@ class RedisStore:
             return 0
         counts = await self._pipeline([("count", [f"{b}c"], [b]) for b in bases])
         return sum(int(c) for c in counts)
+
+    async def holders(self, now_ms: int) -> list[HolderCensus]:
+        """Live records and octets per holder (:class:`~kvsp.index.ReplicaCensus`, ``GET
+        replicas`` at the IS): one ``HSCAN`` pass over every scope's key values, for an
+        operator's call, not for each request. Records are decoded without the cache, so a
+        census does not push the hot prefixes out of it."""
+        client = self._client()
+        uncached = RecordCache(0)
+        tally: dict[str, tuple[int, int]] = {}
+        for scope_hex in await self._scopes():
+            scope = bytes.fromhex(scope_hex)
+            base = self._base(scope)
+            with self._mapped():
+                self.round_trips += 1
+                compats = [_text(c) for c in await client.smembers(f"{base}c")]
+            for compat_hex in compats:
+                compat = bytes.fromhex(compat_hex)
+                with self._mapped():
+                    async for key, value in client.hscan_iter(f"{base}r:{compat_hex}"):
+                        try:
+                            live = live_entries(value, now_ms, key, compat, scope, uncached)
+                        except ValueError as exc:
+                            raise StoreUnavailable(f"Redis store: {exc}") from exc
+                        for record, _ in live:
+                            count, octets = tally.get(record.holder, (0, 0))
+                            tally[record.holder] = (count + 1, octets + record.size)
+        # sizes are client-declared uint64 values: a saturated sum stays a JSON integer
+        return [(h, n, min(octets, UINT64_MAX)) for h, (n, octets) in sorted(tally.items())]
 
     async def drop_all(self) -> int:
         """Delete every key under this store's prefix (tests, or retiring a deployment);

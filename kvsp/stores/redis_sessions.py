@@ -100,6 +100,15 @@ end
 return dropped
 """
 
+# KEYS: r, n, ul, uf. ARGV: limit. The records of the most recently changed sessions: up to
+# limit of the unfinished and up to limit of the finished ones (the caller merges them).
+_RECENT = """
+local ids = redis.call('ZREVRANGE', KEYS[3], 0, ARGV[1] - 1)
+for _, id in ipairs(redis.call('ZREVRANGE', KEYS[4], 0, ARGV[1] - 1)) do ids[#ids + 1] = id end
+if #ids == 0 then return {} end
+return redis.call('HMGET', KEYS[1], unpack(ids))
+"""
+
 # KEYS: r. ARGV: key base, holder hex. The records of the instance's live sessions.
 _LIVE = """
 local ids = redis.call('SMEMBERS', ARGV[1] .. 'i:' .. ARGV[2])
@@ -184,7 +193,9 @@ class RedisSessionStore:
     """
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:
-        self._redis = RedisScripts(url, {"cas": _CAS, "expire": _EXPIRE, "live": _LIVE})
+        self._redis = RedisScripts(
+            url, {"cas": _CAS, "expire": _EXPIRE, "live": _LIVE, "recent": _RECENT}
+        )
         self._base = f"{prefix}:{{sessions}}:"
         self._keys = [f"{self._base}{k}" for k in ("r", "n", "ul", "uf")]
         self.conflicts = 0
@@ -301,6 +312,15 @@ class RedisSessionStore:
         records = [_decode(raw) for raw in raws if raw is not None]
         live = [r for r in records if r.instance == instance and r.state in LIVE]
         return sorted(live, key=lambda r: r.created_ms)
+
+    async def recent(self, limit: int) -> list[SessionRecord]:
+        """At most ``limit`` sessions, the most recently changed first
+        (:class:`~kvsp.stores.sessions.SessionCensus`); one script."""
+        if limit <= 0:
+            return []
+        raws = await self._redis.run("recent", self._keys, [limit])
+        records = [_decode(raw) for raw in raws if raw is not None]
+        return sorted(records, key=lambda r: r.updated_ms, reverse=True)[:limit]
 
     async def expire(self, now_ms: int, *, idle_ms: int, retain_ms: int) -> int:
         """Drop finished sessions older than ``retain_ms`` and any older than ``idle_ms``."""

@@ -16,7 +16,7 @@ their state (a placement whose generation never started, an abandoned one).
 from __future__ import annotations
 
 import uuid
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvsp.errors import Conflict, NotFound
 from kvsp.records_session import SessionCheckpoint
@@ -90,6 +90,17 @@ class SessionStore(Protocol):
     async def expire(self, now_ms: int, *, idle_ms: int, retain_ms: int) -> int:
         """Drop finished sessions unchanged for ``retain_ms`` and any unchanged for
         ``idle_ms``; returns how many were dropped."""
+        ...
+
+
+@runtime_checkable
+class SessionCensus(Protocol):
+    """A store that can list its most recently changed sessions, for operators (``GET
+    sessions`` at the PC, ``kvsp status``). Optional: the PC offers the route only over a store
+    that has it."""
+
+    async def recent(self, limit: int) -> list[SessionRecord]:
+        """At most ``limit`` sessions, the most recently changed first."""
         ...
 
 
@@ -182,6 +193,11 @@ class MemorySessionStore:
         """The serving or resuming sessions of ``instance``, oldest first."""
         ids = self._by_instance.get(instance, set())
         return sorted((self._records[i] for i in ids), key=lambda r: r.created_ms)
+
+    async def recent(self, limit: int) -> list[SessionRecord]:
+        """At most ``limit`` sessions, the most recently changed first (:class:`SessionCensus`)."""
+        ordered = sorted(self._records.values(), key=lambda r: r.updated_ms, reverse=True)
+        return ordered[: max(limit, 0)]
 
     async def expire(self, now_ms: int, *, idle_ms: int, retain_ms: int) -> int:
         """Drop finished sessions older than ``retain_ms`` and any older than ``idle_ms``."""

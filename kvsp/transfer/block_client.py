@@ -58,6 +58,7 @@ from kvsp.transfer.verify_slices import SLICE_STEP, SliceBody
 from kvsp.web.client import decode_answer, problem_error
 from kvsp.web.http import parse_repr_digest, repr_digest
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
+from kvsp.web.trust import Trust
 
 if TYPE_CHECKING:  # an annotation only: HTTP-only users need not load the MOQT stack
     from kvsp.transfer.moqt_client import MoqtBlockClient
@@ -232,7 +233,8 @@ class BlockClient:
     :class:`~kvsp.transfer.buffers.BufferPool` of its own; ``BufferPool(0)`` reuses
     nothing). With ``moqt`` (closed with this client) :meth:`get_block` and :meth:`fetch`
     also serve ``moqt://`` replicas (a relay's) through it; leases stay HTTP (a relay's
-    ``lease_base``).
+    ``lease_base``). ``trust`` (the process's one TLS trust setting, :mod:`kvsp.web.trust`)
+    is what a bulk client made here trusts for ``https`` holders and lease bases.
     """
 
     def __init__(
@@ -249,12 +251,14 @@ class BlockClient:
         moqt: MoqtBlockClient | None = None,
         buffers: BufferPool | None = None,
         inline_below: int = INLINE_BELOW,
+        trust: Trust | None = None,
     ) -> None:
         # Holders get a credential for their own origin, never the token (kvsp.audience).
         self._signer = AudienceSigner(token)
         self.moqt = moqt
         self._owns_bulk = bulk is None
-        self.bulk = bulk or BulkClient(timeout=timeout)
+        context = None if trust is None else trust.ssl_context()
+        self.bulk = bulk or BulkClient(timeout=timeout, ssl=context)
         self._owns_executor = executor is None and hashing != "inline"
         self._executor = executor
         if self._owns_executor:

@@ -111,8 +111,9 @@ def carrier_candidates(
 class SessionOptions:
     """How a client opens MOQT sessions, on any carrier.
 
-    ``cafile`` pins the peer's certificate (QUIC and QMux over TLS); ``verify`` False turns
-    the check off (tests). ``backend``/``transport`` are the QUIC ones (None: the measured
+    ``cafile`` is what the peer's certificate must chain to, or the certificate itself to pin
+    (QUIC and QMux over TLS alike: the process's ``--cafile``); ``verify`` False turns the check
+    off (``--insecure``, tests). ``backend``/``transport`` are the QUIC ones (None: the measured
     default); ``token`` travels as the AUTHORIZATION TOKEN setup parameter.
     """
 

@@ -94,9 +94,10 @@ def address_origin(address: MoqtAddress) -> str:
 class MoqtBlockClient:
     """Gets blocks from ``moqt://`` holders, verified as §6.7 asks (use ``async with``).
 
-    One MOQT session per holder address is kept and reused. ``cafile`` pins the holder's
-    (self-signed) certificate; ``verify=False`` disables the check (tests, ``--tls-disable-
-    verify``). ``timeout`` bounds each request and each pause in the data. ``backend`` is the
+    One MOQT session per holder address is kept and reused. ``cafile`` and ``verify`` are the
+    process's one trust setting (``--cafile``/``--insecure``, :mod:`kvsp.web.trust`): CA
+    certificates, or a holder's self-signed certificate to pin; ``verify=False`` checks nothing
+    (tests). ``timeout`` bounds each request and each pause in the data. ``backend`` is the
     QUIC library (None: the measured default); ``policy`` says which QMux carriers a record may
     offer this client (:mod:`kvsp.transfer.moqt_carriers`).
     """

@@ -20,7 +20,9 @@ the first publication of each replica also pushes the block to the relay. The pu
 the background and never fails the publication: the IS record is authoritative (§6.1), the
 relay's copy an extra source.
 
-:class:`RelayAttachment` reads the command line: ``--relay`` and ``--relay-cafile``, and how
+:class:`RelayAttachment` reads the command line: ``--relay`` and the process's trust
+(``--cafile``/``--insecure``, :mod:`kvsp.web.trust`; ``--relay-cafile`` is a deprecated alias of
+``--cafile``), and how
 the process's MOQT client reaches ``moqt://`` holders: ``--moqt-carriers off`` keeps it on QUIC
 (no QMux carrier a record offers is used, DESIGN.md §4 Carriers), ``--moqt-backend`` and
 ``--moqt-datagram-size`` choose the QUIC library and the largest datagram it sends (RFC 9000
@@ -54,6 +56,9 @@ from kvsp.transfer.moqt_carriers import (
 from kvsp.transfer.moqt_client import MoqtBlockClient, address_origin
 from kvsp.transfer.moqt_publisher import BlockSource, MemoryBlocks, MoqtBlockPublisher, StoredBlock
 from kvsp.transfer.moqt_transfer import parse_moqt_uri
+from kvsp.web.background import raise_if_cancelling
+from kvsp.web.cliargs import trust_from_args
+from kvsp.web.trust import Trust
 from moqt.asyncio import MOQTConnection, RequestRejected, SessionClosedError
 from moqt.backend import BACKENDS, DEFAULT_DATAGRAM_SIZE, TransportConfig, transport_banner
 from moqt.wire import Location
@@ -177,8 +182,10 @@ class RelayLink:
             try:
                 await self._session()
             except (OSError, TimeoutError, SessionClosedError, RequestRejected) as exc:
+                raise_if_cancelling()
                 log.warning("relay link to %s: %s", self.config.url, exc)
             except Exception:  # noqa: BLE001 - keep linking; the next session retries
+                raise_if_cancelling()
                 log.exception("relay link to %s failed", self.config.url)
                 self._pending.clear()  # not the session's fault: do not retry that item
             await asyncio.sleep(self.config.retry_s)
@@ -330,7 +337,8 @@ def datagram_size(text: str) -> int:
 
 
 def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--relay URL``, ``--relay-cafile PEM``, ``--trusted-network`` and the MOQT client's
+    """Add ``--relay URL``, ``--relay-cafile PEM`` (deprecated: ``--cafile``),
+    ``--trusted-network`` and the MOQT client's
     transport choices: ``--moqt-carriers on|off``, ``--moqt-backend NAME``,
     ``--moqt-datagram-size OCTETS``."""
     parser.add_argument(
@@ -349,7 +357,8 @@ def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
         "--relay-cafile",
         type=Path,
         metavar="PEM",
-        help="pin this certificate for the relay and other moqt:// holders (relay-tls/cert.pem)",
+        help="deprecated alias of --cafile, which covers every outbound TLS connection (the "
+        "relay's MOQT and HTTPS faces, holders, IS, PC)",
     )
     parser.add_argument(
         "--moqt-carriers",
@@ -383,7 +392,8 @@ def relay_transport(args: argparse.Namespace) -> TransportConfig | None:
 
 
 class RelayAttachment:
-    """What ``--relay``/``--relay-cafile`` and the ``--moqt-*`` options add to a process with a
+    """What ``--relay``, the process's ``trust`` and the ``--moqt-*`` options add to a process
+    with a
     holder face: a MOQT block client for ``moqt://`` replicas (over the carriers, QUIC library
     and datagram size asked for), and (with ``--relay``) the link that mirrors the holder's
     publications to the relay.
@@ -393,10 +403,12 @@ class RelayAttachment:
             ``--moqt-carriers off``.
     """
 
-    def __init__(self, args: argparse.Namespace, token: str | None) -> None:
-        relay, cafile = getattr(args, "relay", None), getattr(args, "relay_cafile", None)
+    def __init__(
+        self, args: argparse.Namespace, token: str | None, trust: Trust | None = None
+    ) -> None:
+        relay = getattr(args, "relay", None)
         self.token = token
-        self.cafile = None if cafile is None else str(cafile)
+        self.trust = trust_from_args(args) if trust is None else trust
         self.policy = CarrierPolicy(
             qmux=getattr(args, "moqt_carriers", "on") != "off",
             trusted_network=bool(getattr(args, "trusted_network", False)),
@@ -408,7 +420,8 @@ class RelayAttachment:
             config = RelayLinkConfig(
                 url=relay,
                 token=token,
-                cafile=self.cafile,
+                cafile=self.trust.cafile,
+                verify=self.trust.verify,
                 backend=self.backend,
                 transport=self.transport,
                 qmux=self.policy.qmux,
@@ -423,7 +436,8 @@ class RelayAttachment:
         """The client :class:`~kvsp.transfer.block_client.BlockClient` hands ``moqt://``
         replicas to (over the fastest carrier each record offers)."""
         return MoqtBlockClient(
-            cafile=self.cafile,
+            cafile=self.trust.cafile,
+            verify=self.trust.verify,
             auth_token=self.token,
             backend=self.backend,
             transport=self.transport,

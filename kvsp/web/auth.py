@@ -74,6 +74,15 @@ class Principals:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def replace_with(self, other: Principals) -> None:
+        """Take ``other``'s principals in place (a reload): this object, and every
+        :meth:`with_audiences` view of it, answers with the new tokens from now on."""
+        by_hash, by_kid = dict(other._by_hash), {k: list(v) for k, v in other._by_kid.items()}
+        self._by_hash.clear()
+        self._by_hash.update(by_hash)
+        self._by_kid.clear()
+        self._by_kid.update(by_kid)
+
     def with_audiences(self, audiences: Callable[[], frozenset[str]]) -> Principals:
         """The same principals, accepting audience credentials for the origins ``audiences()``
         gives (a service whose own URIs are known only once it listens: the relay)."""

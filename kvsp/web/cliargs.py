@@ -10,17 +10,26 @@ into a :class:`~kvsp.web.runner.ServeConfig` and a principals table.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import ipaddress
+import logging
 import math
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from kvsp.errors import BadRequest
 from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS
-from kvsp.web.auth import Principals, ensure_default_principals
+from kvsp.web.auth import Principals, PrincipalsError, ensure_default_principals
 from kvsp.web.logs import LOG_FORMATS, configure_logging
 from kvsp.web.runner import ReadTimeouts, ServeConfig
+from kvsp.web.trust import Trust
+
+_log = logging.getLogger("kvsp.web.cliargs")
 
 DEFAULT_STATE = Path("state")
 
@@ -50,6 +59,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--ready-file", type=Path, metavar="FILE", help=argparse.SUPPRESS)
     parser.add_argument("--cert", type=Path, metavar="PEM", help="TLS certificate")
     parser.add_argument("--key", type=Path, metavar="PEM", help="TLS private key")
+    add_trust_arguments(parser)
     timeouts = ReadTimeouts()
     parser.add_argument(
         "--head-timeout",
@@ -97,6 +107,14 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
         raise BadRequest(f"--listen: expected HOST:PORT, got {text!r}")
     return host, int(port_text)
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is an "any address" (``0.0.0.0``, ``::``, empty)."""
+    try:
+        return host == "" or ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 _SIZE = re.compile(r"([0-9]+)\s*([KMGT]i?B|B)?", re.IGNORECASE)
@@ -157,10 +175,20 @@ def positive_size(text: str) -> int:
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The :class:`ServeConfig` the common options describe.
 
+    A service that advertises its own URL (one with ``--public-url``) refuses a wildcard
+    ``--listen`` address without ``--public-url``: it would name a loopback URL that no other
+    host can reach.
+
     Raises:
-        BadRequest: bad ``--listen``, or only one of ``--cert``/``--key``.
+        BadRequest: bad ``--listen``, a wildcard one without ``--public-url``, or only one of
+            ``--cert``/``--key``.
     """
     host, port = parse_listen(args.listen)
+    if is_wildcard(host) and hasattr(args, "public_url") and args.public_url is None:
+        raise BadRequest(
+            f"--listen {args.listen} is a wildcard address: other hosts cannot reach this "
+            "service by it; give --public-url with the URL they use"
+        )
     if (args.cert is None) != (args.key is None):
         raise BadRequest("--cert and --key go together")
     return ServeConfig(
@@ -188,16 +216,54 @@ def load_principals(args: argparse.Namespace) -> Principals:
     """The principals of ``--principals``, or the embedded default's (made on first start).
 
     With no principals file the service never runs open: it makes one with a single admin
-    token and says on stderr where the token is.
+    token and says on stderr where the token is. SIGHUP reloads the file
+    (:func:`reload_on_sighup`).
 
     Raises:
         BadRequest: the file is malformed.
     """
     if args.principals is not None:
-        return Principals.load(args.principals)
-    path, token_path = ensure_default_principals(args.state)
-    print(f"kvsp: principals {path}; admin token in {token_path}", file=sys.stderr)
-    return Principals.load(path)
+        path = Path(args.principals)
+    else:
+        path, token_path = ensure_default_principals(args.state)
+        print(f"kvsp: principals {path}; admin token in {token_path}", file=sys.stderr)
+    principals = Principals.load(path)
+    reload_on_sighup(principals, path)
+    return principals
+
+
+def reload_principals(principals: Principals, path: Path) -> bool:
+    """Read ``path`` again into ``principals`` (in place, so every app holding it sees the new
+    tokens); a file that does not load keeps the old principals and logs an error.
+
+    Returns:
+        Whether the new principals are in force.
+    """
+    try:
+        fresh = Principals.load(path)
+    except PrincipalsError as exc:
+        _log.error("principals not reloaded; keeping the old ones: %s", exc)
+        return False
+    principals.replace_with(fresh)
+    _log.warning("principals reloaded from %s (%d)", path, len(fresh))
+    return True
+
+
+def reload_on_sighup(principals: Principals, path: Path) -> None:
+    """Reload ``principals`` from ``path`` on SIGHUP (as Redis ``ACL LOAD``): a token minted
+    with ``kvsp token`` works without a restart. Installed only from the main thread."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+        return
+
+    def on_hangup(sig: int, frame: FrameType | None) -> None:
+        try:  # between two steps of the event loop, never inside a request's lookup
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            reload_principals(principals, path)
+        else:
+            loop.call_soon_threadsafe(reload_principals, principals, path)
+
+    signal.signal(signal.SIGHUP, on_hangup)
 
 
 def with_logging(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -230,3 +296,63 @@ def add_epoch_skew_argument(parser: argparse.ArgumentParser) -> None:
         "kept epoch beyond it yields to the next status (default "
         f"{DEFAULT_MAX_EPOCH_SKEW_MS})",
     )
+
+
+def add_trust_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--cafile PEM`` and ``--insecure``: the trust of every outbound TLS connection
+    (HTTPS and MOQT alike, :mod:`kvsp.web.trust`)."""
+    parser.add_argument(
+        "--cafile",
+        type=Path,
+        metavar="PEM",
+        help="trust only these CA (or pinned) certificates for every outbound TLS connection: "
+        "HTTPS (IS, PC, holders, leases) and MOQT (QUIC, QMux over TLS); default: the system "
+        "trust store",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="do not verify any outbound TLS certificate (tests only; logged as a warning)",
+    )
+
+
+_TRUST_ALIASES = ("relay_cafile", "upstream_cafile")
+"""Older per-connection options that now mean ``--cafile`` (accepted, with a warning)."""
+
+
+def trust_from_args(args: argparse.Namespace) -> Trust:
+    """The process's one :class:`~kvsp.web.trust.Trust` from ``--cafile``/``--insecure``.
+
+    ``--relay-cafile`` and ``--upstream-cafile`` are deprecated aliases of ``--cafile`` (and
+    ``--upstream-insecure`` of ``--insecure``): one given alone means ``--cafile`` (with a
+    warning); given beside a different ``--cafile`` it is refused. ``--insecure`` is logged as a
+    warning.
+
+    Raises:
+        BadRequest: ``--cafile`` and an alias name different files, ``--insecure`` with a
+            CA file, or a CA file that cannot be loaded.
+    """
+    cafile: Path | None = getattr(args, "cafile", None)
+    for dest in _TRUST_ALIASES:
+        alias: Path | None = getattr(args, dest, None)
+        if alias is None:
+            continue
+        option = "--" + dest.replace("_", "-")
+        if cafile is not None and Path(alias) != Path(cafile):
+            raise BadRequest(f"{option} {alias} differs from --cafile {cafile}; give --cafile")
+        _log.warning("%s is deprecated and means --cafile (every outbound TLS connection)", option)
+        cafile = alias
+    insecure = bool(getattr(args, "insecure", False))
+    if getattr(args, "upstream_insecure", False):
+        _log.warning("--upstream-insecure is deprecated and means --insecure")
+        insecure = True
+    if insecure and cafile is not None:
+        raise BadRequest("--insecure verifies nothing; drop --cafile or --insecure")
+    trust = Trust(cafile=None if cafile is None else str(cafile), verify=not insecure)
+    try:
+        trust.ssl_context()
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise BadRequest(f"--cafile {cafile}: cannot load it: {exc}") from None
+    if insecure:
+        _log.warning("--insecure: outbound TLS certificates are NOT verified (tests only)")
+    return trust

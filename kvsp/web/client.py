@@ -32,6 +32,7 @@ from kvsp.audience import AudienceSigner, audience_credential, canonical_origin,
 from kvsp.errors import KVSPError, RecordError, RemoteError, TransportError
 from kvsp.records import loads
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
+from kvsp.web.trust import Trust
 
 DEFAULT_TIMEOUT_S = 30.0
 """Seconds for any one read, write or pool wait; connecting gets at most 5 s."""
@@ -132,7 +133,8 @@ class BaseClient:
 
     ``base_url`` is the service base (a trailing ``/`` is added if missing); paths are relative
     to it. ``client`` lets a caller share a connection pool or route through an ASGI transport;
-    a client passed in is not closed here.
+    a client passed in is not closed here. ``trust`` is the process's one TLS trust setting
+    (:mod:`kvsp.web.trust`; default: the system trust store) for a client made here.
 
     Only a client of the control plane (:attr:`control_plane`: the IS, the PC) sends ``token``
     itself; any other service receives an audience credential for ``base_url``'s origin
@@ -150,6 +152,7 @@ class BaseClient:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         client: httpx.AsyncClient | None = None,
+        trust: Trust | None = None,
     ) -> None:
         self.base_url = base_url if base_url.endswith("/") else base_url + "/"
         self._headers = {"accept": self.accepted_types}
@@ -159,7 +162,8 @@ class BaseClient:
             self._headers["authorization"] = "Bearer " + audience_credential(token, self.base_url)
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0))
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+            verify=True if trust is None else trust.ssl_context(),
         )
 
     async def __aenter__(self) -> Self:

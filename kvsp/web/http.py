@@ -31,19 +31,22 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
 
-from kvsp.errors import BadRequest, KVSPError, PayloadTooLarge, UnsupportedMediaType
+from kvsp.errors import BadRequest, KVSPError, NotReady, PayloadTooLarge, UnsupportedMediaType
 from kvsp.ids import check_length
 from kvsp.web.logs import RequestContextMiddleware
 from kvsp.web.metrics import install_metrics
 from kvsp.web.openapi import install_openapi
+from kvsp.web.problems import kvsp_json
 
 Octets = bytes | bytearray
 """A body as read: :func:`read_json` reads into a ``bytearray``."""
@@ -518,14 +521,50 @@ def _dictionary(text: str) -> dict[str, str]:
         pos = separator.end()
 
 
-def install_operations(app: Starlette, service: str, title: str) -> None:
+Readiness = Callable[[], Awaitable[str | None]]
+"""A service's readiness check: ``None`` when it is ready to serve, else why not."""
+
+READYZ_PATH = "/readyz"
+
+
+def store_readiness(*probes: Callable[[], Awaitable[object]]) -> Readiness:
+    """A :data:`Readiness` that is ready when every probe (a cheap read of a service's store)
+    answers; a :class:`~kvsp.errors.KVSPError` (such as ``StoreUnavailable``) is the reason."""
+
+    async def check() -> str | None:
+        for probe in probes:
+            try:
+                await probe()
+            except KVSPError as exc:
+                return f"its store does not answer: {exc}"
+        return None
+
+    return check
+
+
+async def readyz(request: Request) -> Response:
+    """``GET /readyz`` (no token): 200 when ``app.state.readiness`` (a :data:`Readiness`; none:
+    ready once serving) finds the service ready, else a 503 ``kvsp-not-ready`` problem."""
+    check: Readiness | None = getattr(request.app.state, "readiness", None)
+    reason = None if check is None else await check()
+    if reason is not None:
+        raise NotReady(reason)
+    return kvsp_json({"status": "ready"})
+
+
+def install_operations(
+    app: Starlette, service: str, title: str, readiness: Readiness | None = None
+) -> None:
     """Mount what every service serves for its operators: ``/metrics`` and the request
     metrics (:mod:`kvsp.web.metrics`), request ids and access records
-    (:mod:`kvsp.web.logs`), and ``/openapi.json`` (:mod:`kvsp.web.openapi`).
+    (:mod:`kvsp.web.logs`), ``/readyz`` (:func:`readyz`, checked by ``readiness``) and
+    ``/openapi.json`` (:mod:`kvsp.web.openapi`).
 
     Call it last while building the app, after :func:`~kvsp.web.problems.
     install_problem_handlers`, so that the middleware sees every answer, 500s included.
     """
     install_metrics(app, service)
+    app.state.readiness = readiness
+    app.router.routes.append(Route(READYZ_PATH, readyz, methods=["GET"]))
     install_openapi(app, title)
     app.add_middleware(RequestContextMiddleware)  # outermost: ids on every answer

@@ -110,6 +110,7 @@ SCHEMAS: dict[str, Schema] = {
         "description": "RFC 9457 problem details; type urn:ietf:params:kvsp:problem:<name>.",
     },
     "Health": _object({"status": {"const": "ok"}}),
+    "Ready": _object({"status": {"const": "ready"}}),
     "Residency": _object(
         {"tier": {"type": "string", "enum": [str(t) for t in Tier]}, "layers": _RANGE},
         {"read_mbit_per_s": _RATE},
@@ -410,7 +411,8 @@ _ERRORS = {
     429: "Over the client's lease quota (kvsp-lease-quota)",
     500: "An internal error (no details)",
     502: "An upstream service failed",
-    503: "No active instance, or the instance is not active (kvsp-not-active)",
+    503: "No active instance, the instance is not active (kvsp-not-active), or the service "
+    "is not ready (kvsp-not-ready)",
     507: "No room: a holder's tiers without evicting leased blocks, or the IS's record quota of "
     "a holder",
 }
@@ -477,6 +479,12 @@ _BLOCK_BODY: Schema = {
 OPERATIONS: dict[tuple[str, str], Schema] = {
     ("GET", "/healthz"): _op(
         "Liveness (no token)", {200: _json(_ref("Health"))}, (405, 500), public=True
+    ),
+    ("GET", "/readyz"): _op(
+        "Readiness (no token): 200 when ready to serve, else 503 kvsp-not-ready",
+        {200: _json(_ref("Ready"))},
+        (405, 500, 503),
+        public=True,
     ),
     ("GET", "/openapi.json"): _op(
         "This document (no token)",
@@ -634,6 +642,11 @@ OPERATIONS: dict[tuple[str, str], Schema] = {
         (*_WITH_BODY, 409),
         body="SessionCheckpoint",
         params=[_param("session", _UUID)],
+    ),
+    ("GET", "/sessions"): _op(
+        "The most recently changed sessions (admin; §6.8), at most `limit` (1-1000, 100)",
+        {200: _json(_object({"sessions": _array(_ref("SessionView"))}))},
+        params=[_param("limit", _uint(1000, 1), "query", required=False)],
     ),
     ("GET", "/sessions/{session}"): _op(
         "A session's state (§6.8)",

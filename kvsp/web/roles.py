@@ -88,6 +88,7 @@ ADMIN_ONLY = _allow()
 
 _OPERATIONS: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/healthz"): PUBLIC,
+    ("GET", "/readyz"): PUBLIC,
     ("GET", "/openapi.json"): PUBLIC,
     ("GET", "/metrics"): READ_METRICS,
 }
@@ -112,6 +113,7 @@ _PC: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/place"): _allow(CLIENT, PC),
     ("PUT", "/sessions/{session}/checkpoint"): _allow(INSTANCE),
     ("GET", "/sessions/{session}"): _allow(CLIENT, PC, INSTANCE),
+    ("GET", "/sessions"): ADMIN_ONLY,
     ("POST", "/shardmaps"): _allow(PC),
     ("GET", "/shardmaps/{map}"): _allow(PC),
     ("POST", "/shardmaps/{map}/versions"): _allow(PC),

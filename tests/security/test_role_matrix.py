@@ -246,7 +246,8 @@ def test_every_role_on_every_route(service: str, tmp_path: Path) -> None:
                 rule = http_rules(service)[key]
                 if rule is PUBLIC:
                     answer = await env.http.request(key[0], concrete(key[1]))
-                    if answer.status_code != 200:
+                    ok = {200, 503} if key == ("GET", "/readyz") else {200}  # 503: not ready
+                    if answer.status_code not in ok:
                         failures.append(f"{key} without a token: {answer.status_code}")
                     continue
                 for role in ROLES:

@@ -97,7 +97,7 @@ def test_the_document_is_served_without_a_token(service: str, tmp_path: Path) ->
     document = response.json()
     assert document["openapi"] == "3.1.0"
     assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-    assert {"/healthz", "/metrics", "/openapi.json"} <= set(document["paths"])
+    assert {"/healthz", "/readyz", "/metrics", "/openapi.json"} <= set(document["paths"])
 
 
 def _refs(node: Any) -> set[str]:
@@ -121,7 +121,7 @@ def test_operations_are_well_formed() -> None:
         params = {p["name"] for p in operation.get("parameters", ()) if p["in"] == "path"}
         assert params == set(Route(path, lambda r: None).param_convertors), (method, path)
         public = operation.get("security") == []
-        assert public == (path in {"/healthz", "/openapi.json"}), path
+        assert public == (path in {"/healthz", "/readyz", "/openapi.json"}), path
 
 
 def test_media_types_follow_the_spec() -> None:

@@ -10,9 +10,11 @@ Routes (relative to the holder's base URL):
   is read and checked against its digest first, and a faulty one is a 404 (a miss).
 * ``PUT blocks/{compat}/{scope}/{key}`` with ``If-None-Match: *`` (missing or another value:
   428): 201 with the Replica Record; an optional ``Repr-Digest``/``Content-Digest`` is verified.
-  Scope, an existing copy (412) and the descriptor are checked before the body is read.
+  Scope, an existing copy (412) and the descriptor are checked before the body is read; an
+  unknown compat_id's descriptor is fetched from the IS (``--index``) before answering 422.
 * ``POST leases`` (201, ``Location: leases/{id}``), ``PUT leases/{id}``, ``DELETE leases/{id}``
-  (204); ``PUT``/``GET descriptors/{compat}``; ``GET healthz`` (no token).
+  (204); ``PUT``/``GET descriptors/{compat}``; ``GET healthz`` and ``GET readyz`` (ready when
+  its IS answers) need no token.
 
 Every other answer is an RFC 9457 problem; path parameters that are not lowercase hex of the
 right length are 400 naming the parameter (``compat``, ``scope``, ``key``). The roles each route
@@ -35,7 +37,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvsp.audience import origins
-from kvsp.errors import BadRequest, NotFound, PreconditionRequired, UnsupportedMediaType
+from kvsp.errors import (
+    BadRequest,
+    Incompatible,
+    NotFound,
+    PreconditionRequired,
+    UnsupportedMediaType,
+)
 from kvsp.ids import parse_block_key, parse_compat_id, parse_scope_id
 from kvsp.index import ReplicaIndex
 from kvsp.leases import CLIENT_SHARE, LeaseQuota
@@ -51,7 +59,14 @@ from kvsp.services.holder.service import (
 from kvsp.stores.blocks import BlockRef, DeviceBackend, cuda_backend
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.web.auth import Principals, principal_of
-from kvsp.web.cliargs import load_principals, parse_size, positive_int, positive_size, serve_config
+from kvsp.web.cliargs import (
+    load_principals,
+    parse_size,
+    positive_int,
+    positive_size,
+    serve_config,
+    trust_from_args,
+)
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import (
     install_operations,
@@ -130,7 +145,12 @@ class _HolderEndpoints:
             raise UnsupportedMediaType(f"expected {BLOCK_MEDIA_TYPE}, got {content_type[:80]!r}")
         if request.headers.get("content-encoding", "identity").strip().lower() != "identity":
             raise UnsupportedMediaType("block bodies are sent without content coding")
-        self.holder.check_put(principal, ref)  # 403, 412, 422 before reading the body
+        try:
+            self.holder.check_put(principal, ref)  # 403, 412, 422 before reading the body
+        except Incompatible:
+            if not await self.holder.learn_descriptor(ref.compat):  # from the IS
+                raise
+            self.holder.check_put(principal, ref)
         expected = _expected_digest(request)
         data = await read_body(request, self.body_limit)
         block = await self.holder.put_block(principal, *ref, data, expected_digest=expected)
@@ -223,7 +243,7 @@ def create_holder_app(
     app.state.audiences = lambda: origins([holder.public_url])
     install_roles(app, "holder")
     install_problem_handlers(app)
-    install_operations(app, "holder", "KVSP holder")
+    install_operations(app, "holder", "KVSP holder", readiness=holder.readiness)
     return app
 
 
@@ -422,7 +442,8 @@ async def _serve(
     async with contextlib.AsyncExitStack() as stack:
         index: ReplicaIndex | None = None
         if args.index is not None:
-            index = await stack.enter_async_context(IndexClient(args.index, token))
+            trust = trust_from_args(args)  # --cafile/--insecure: the IS over HTTPS
+            index = await stack.enter_async_context(IndexClient(args.index, token, trust=trust))
         holder = Holder(
             config,
             index=index,

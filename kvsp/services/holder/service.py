@@ -6,6 +6,8 @@ and relays; the HTTP shell is :mod:`kvsp.services.holder.app`. Choices the spec 
 
 * Blocks are stored whole, as the container that was PUT; only codec raw (1) is stored or
   served, and ``?codec=`` naming any other codec is answered 406 (this holder does not transcode).
+* A PUT for a compat_id the holder does not know fetches its descriptor from the IS
+  (:meth:`Holder.learn_descriptor`) before it is refused with 422.
 * A PUT container must match its descriptor's geometry (§4.3) and hold exactly
   ``block_tokens`` tokens (§4.2: only complete blocks have keys). It may hold a layer
   sub-range, which it serves (ranges it lacks answer ``kvsp-layers-unavailable``) but does not
@@ -40,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from kvsp.compat import CompatibilityDescriptor
 from kvsp.container import Geometry, decode_container, header_size
@@ -103,6 +105,26 @@ class DescriptorSource(Protocol):
 
     def get(self, compat: CompatId, /) -> CompatibilityDescriptor | None:
         """The descriptor, or ``None`` when unknown."""
+
+
+@runtime_checkable
+class DescriptorSink(Protocol):
+    """A :class:`DescriptorSource` that also keeps descriptors learnt from the IS."""
+
+    def add(self, descriptor: CompatibilityDescriptor, /, *, persist: bool = True) -> bytes:
+        """Keep ``descriptor``; its compat_id."""
+
+
+@runtime_checkable
+class DescriptorFetcher(Protocol):
+    """An IS client that reads descriptors (``GET descriptors/{compat}``, §6.1)."""
+
+    async def get_descriptor(self, cid: bytes) -> CompatibilityDescriptor:
+        """The descriptor the IS knows for ``cid``.
+
+        Raises:
+            NotFound: the IS knows none.
+        """
         ...
 
 
@@ -381,6 +403,45 @@ class Holder:
 
     # -- storing (§6.7 PUT) --------------------------------------------------------------------
 
+    async def readiness(self) -> str | None:
+        """Why this holder is not ready to serve (``/readyz``), or ``None``: a holder with an
+        IS is ready when the IS answers it (a descriptor read: its token is taken too)."""
+        index: object = self.index
+        if not isinstance(index, DescriptorFetcher):
+            return None
+        try:
+            await index.get_descriptor(bytes(32))
+        except NotFound:
+            return None
+        except KVSPError as exc:
+            return f"the Index Service does not answer: {exc}"
+        return None
+
+    async def learn_descriptor(self, compat: CompatId) -> bool:
+        """Fetch the descriptor of ``compat`` from the IS when this holder does not know it
+        (§6.1 ``GET descriptors/{compat}``) and keep it; a holder without an IS, or an IS that
+        does not know it either, leaves it unknown (the PUT is then refused with 422).
+
+        Returns:
+            Whether the descriptor is known now.
+        """
+        if self.descriptors.get(compat) is not None:
+            return True
+        index: object = self.index
+        sink: object = self.descriptors
+        if not isinstance(index, DescriptorFetcher) or not isinstance(sink, DescriptorSink):
+            return False
+        try:
+            descriptor = await index.get_descriptor(compat)
+        except NotFound:
+            return False
+        except KVSPError as exc:
+            _log.warning("cannot fetch descriptor %s from the IS: %s", compat.hex(), exc)
+            return False
+        sink.add(descriptor)
+        _log.info("learnt descriptor %s from the IS", compat.hex())
+        return True
+
     def check_put(self, principal: Principal, ref: BlockRef) -> CompatibilityDescriptor:
         """What can be refused before the body is read, in this order.
 
@@ -394,7 +455,9 @@ class Holder:
             raise PreconditionFailed("this holder already has a replica for the key")
         descriptor = self.descriptors.get(ref.compat)
         if descriptor is None:
-            raise Incompatible("unknown compat_id; PUT its descriptor first", path="compat")
+            raise Incompatible(
+                "unknown compat_id here and at the IS; PUT its descriptor first", path="compat"
+            )
         return descriptor
 
     async def put_block(

@@ -70,7 +70,7 @@ from kvsp.web.cliargs import (
     serve_config,
 )
 from kvsp.web.clock import Clock, SystemClock
-from kvsp.web.http import JsonLimits, install_operations, read_json
+from kvsp.web.http import JsonLimits, install_operations, read_json, store_readiness
 from kvsp.web.metrics import observe_lookup
 from kvsp.web.problems import install_problem_handlers, kvsp_json
 from kvsp.web.roles import install_roles
@@ -362,7 +362,8 @@ def create_index_app(
     app.state.index = index
     install_roles(app, "index")
     install_problem_handlers(app)
-    install_operations(app, "index", "KVSP Index Service")
+    readiness = store_readiness(index.store.count)
+    install_operations(app, "index", "KVSP Index Service", readiness=readiness)
     return app
 
 

@@ -86,6 +86,7 @@ from kvsp.web.cliargs import (
     positive_int,
     positive_size,
     serve_config,
+    trust_from_args,
 )
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import JsonLimits, install_operations, read_json
@@ -321,7 +322,7 @@ def create_instance_app(
     app.state.audiences = lambda: origins([agent.public_url])
     install_roles(app, "instance")
     install_problem_handlers(app)
-    install_operations(app, "instance", "KVSP inference instance")
+    install_operations(app, "instance", "KVSP inference instance", readiness=agent.readiness)
     return app
 
 
@@ -651,22 +652,26 @@ async def _serve(
     from kvsp.transfer.block_client import BlockClient
 
     clock = SystemClock()
+    trust = trust_from_args(args)  # one TLS trust for the IS, PC, holders, leases and MOQT
+    _log.info("%s", trust.describe())
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(engine.aclose)
-        control = await stack.enter_async_context(IndexClient(args.control, token))
+        control = await stack.enter_async_context(IndexClient(args.control, token, trust=trust))
         index = control
         if args.index is not None:
-            index = await stack.enter_async_context(IndexClient(args.index, token))
+            index = await stack.enter_async_context(IndexClient(args.index, token, trust=trust))
         try:
             await index.put_descriptor(engine.descriptor)
         except KVSPError as exc:
             _log.warning("registering the descriptor at the IS failed: %s", exc)
-        relay = RelayAttachment(args, token)  # --relay: moqt:// replicas, blocks to the relay
-        blocks = await stack.enter_async_context(BlockClient(token, moqt=relay.moqt_client()))
+        relay = RelayAttachment(args, token, trust)  # moqt:// replicas; --relay: blocks there
+        blocks = await stack.enter_async_context(
+            BlockClient(token, moqt=relay.moqt_client(), trust=trust)
+        )
         holder = Holder(holder_config, index=relay.index(index), descriptors=registry, clock=clock)
         relay.start(holder.store, stack)
         agent = InstanceAgent(engine, holder, index, blocks, control, clock, config)
-        pc = await stack.enter_async_context(PCClient(args.control, token))
+        pc = await stack.enter_async_context(PCClient(args.control, token, trust=trust))
         sessions = InstanceSessions(agent, pc, session_config(args))
         app = create_instance_app(
             agent,

@@ -180,6 +180,7 @@ class LeaseBatcher:
                 try:
                     await self._grant(queue, batch)
                 except Exception as exc:  # not the holder's answer: every waiter learns it
+                    _log.warning("lease request at %s failed: %r", queue.lease_at, exc)
                     for wanted in batch:
                         if not wanted.future.done():
                             wanted.future.set_exception(exc)

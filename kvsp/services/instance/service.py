@@ -85,6 +85,7 @@ from kvsp.stores.blocks import BlockRef, StoredBlock
 from kvsp.transfer.block_client import BlockClient, lease_base, source_base
 from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.auth import Principal
+from kvsp.web.background import raise_if_cancelling
 from kvsp.web.clock import Clock
 
 _log = logging.getLogger("kvsp.instance")
@@ -186,6 +187,14 @@ class _KeyLoad:
     waiters: int = 0
 
 
+def _log_failed_fetch(ref: BlockRef, source: str, stage: str, exc: KVSPError) -> None:
+    """One warning per failed attempt at a source, with its cause: the problem type and the
+    message (which names the peer and the transport's reason, never a token)."""
+    _log.warning(
+        "block %s: %s at %s failed: %s: %s", ref.key.hex()[:16], stage, source, exc.problem, exc
+    )
+
+
 def _base(uri: str) -> str:
     return uri if uri.endswith("/") else uri + "/"
 
@@ -281,6 +290,7 @@ class InstanceAgent:
         self._public_url: str | None = None
         self._principal = Principal(name="instance", roles=frozenset({"instance"}), scopes=None)
         self._failure_listeners: list[Callable[[], None]] = []
+        self._registered_ms: int | None = None  # the PC last took a status record
         self.leases = LeaseBatcher(block_client, self.links)
         self.unvouched_records = 0
         """Records refused because their ``lease_base`` was not on their holder's origin."""
@@ -424,7 +434,18 @@ class InstanceAgent:
                 listener()
             answer = await self.control.put_status(self.status_record())
         self._apply_answer(answer)
+        self._registered_ms = self.clock.now_ms()
         return answer
+
+    async def readiness(self) -> str | None:
+        """Why this instance is not ready to serve (``/readyz``), or ``None``: ready while the
+        PC took a status record within its TTL and its holder face's IS answers."""
+        at = self._registered_ms
+        if at is None:
+            return "not registered at the PC yet"
+        if self.clock.now_ms() - at >= self.config.status_ttl_ms:
+            return "no status record reached the PC within its TTL"
+        return await self.holder.readiness()
 
     def on_declared_failed(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` whenever the PC answers a status with ``kvsp-stale-epoch``: it
@@ -453,8 +474,10 @@ class InstanceAgent:
                 async with asyncio.timeout(period):
                     await self.report_status()
             except (KVSPError, TimeoutError) as exc:
+                raise_if_cancelling()
                 _log.warning("status report failed: %s", exc)
             except Exception:
+                raise_if_cancelling()
                 _log.exception("status report failed")
             delay = max(0.0, began + period - loop.time())
             with contextlib.suppress(TimeoutError):
@@ -826,6 +849,7 @@ class InstanceAgent:
                 try:
                     block = await self._fetch(ref, base, record, lease_ms)
                 except KVSPError as exc:
+                    _log_failed_fetch(ref, base, "lease and GET", exc)
                     reasons.append(f"{base}: {exc.problem}")
                     continue
                 if await self._place(ref, block):
@@ -859,6 +883,7 @@ class InstanceAgent:
                     lease_at = self._lease_at(record)
                     hold = await self.leases.acquire(lease_at, base, ref, record.size, lease_ms)
                 except KVSPError as exc:
+                    _log_failed_fetch(ref, base, "lease", exc)
                     reasons.append(f"{base}: {exc.problem}")
                     continue
                 try:
@@ -870,6 +895,7 @@ class InstanceAgent:
                         octets = sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
                         self.links.record_transfer(base, octets, time.perf_counter() - began)
                 except KVSPError as exc:
+                    _log_failed_fetch(ref, base, "GET", exc)
                     reasons.append(f"{base}: {exc.problem}")
                     continue
                 finally:

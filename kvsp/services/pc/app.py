@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shlex
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ from kvsp.web.background import raise_if_cancelling
 from kvsp.web.cliargs import add_epoch_skew_argument, load_principals, positive_int, serve_config
 from kvsp.web.client import BaseClient
 from kvsp.web.clock import Clock, SystemClock
-from kvsp.web.http import JsonLimits, install_operations, read_json
+from kvsp.web.http import JsonLimits, install_operations, read_json, store_readiness
 from kvsp.web.metrics import observe_lookup
 from kvsp.web.problems import install_problem_handlers, kvsp_json, problem_response
 from kvsp.web.roles import install_roles
@@ -237,7 +238,8 @@ def create_pc_app(
     app.state.pc = pc
     install_roles(app, "pc")
     install_problem_handlers(app)
-    install_operations(app, "pc", "KVSP Placement Controller")
+    readiness = store_readiness(lambda: pc.sessions.store.get(uuid.UUID(int=0)))
+    install_operations(app, "pc", "KVSP Placement Controller", readiness=readiness)
     return app
 
 

@@ -58,7 +58,7 @@ from kvsp.ids import CompatId, ScopeId
 from kvsp.records_common import read_uuid
 from kvsp.records_session import ResumeRequest, SessionCheckpoint
 from kvsp.sessions import SessionRecord, SessionState, new_session
-from kvsp.stores.sessions import SessionStore
+from kvsp.stores.sessions import SessionCensus, SessionStore
 from kvsp.web import auth
 from kvsp.web.auth import principal_of
 from kvsp.web.clock import Clock
@@ -368,13 +368,42 @@ class _SessionEndpoints:
         return kvsp_json(record.view())
 
 
+SESSION_LIST_LIMIT = 1000
+"""The most sessions one ``GET sessions`` lists (``?limit=N``, default 100)."""
+
+
+def _list_limit(request: Request) -> int:
+    text = request.query_params.get("limit", "100")
+    if not text.isdigit() or not 1 <= int(text) <= SESSION_LIST_LIMIT:
+        raise BadRequest(f"limit must be an integer in 1..{SESSION_LIST_LIMIT}", path="limit")
+    return int(text)
+
+
+def _census_routes(store: SessionStore) -> list[BaseRoute]:
+    """``GET sessions`` (admin): the most recently changed sessions as ``GET
+    sessions/{session}`` shows each, over a store that can list them
+    (:class:`~kvsp.stores.sessions.SessionCensus`); no route otherwise."""
+    if not isinstance(store, SessionCensus):
+        return []
+    census: SessionCensus = store
+
+    async def sessions(request: Request) -> Response:
+        principal_of(request)  # admin only: kvsp.web.roles
+        records = await census.recent(_list_limit(request))
+        return kvsp_json({"sessions": [r.view() for r in records]})
+
+    return [Route("/sessions", sessions, methods=["GET"])]
+
+
 def session_routes(service: SessionService) -> Sequence[BaseRoute]:
-    """``PUT sessions/{session}/checkpoint`` (role instance) and ``GET sessions/{session}``
-    (roles client, pc, instance; authorized for the session's scope)."""
+    """``PUT sessions/{session}/checkpoint`` (role instance), ``GET sessions/{session}``
+    (roles client, pc, instance; authorized for the session's scope) and ``GET sessions``
+    (admin; over a store that lists sessions)."""
     ep = _SessionEndpoints(service)
     return [
         Route("/sessions/{session}/checkpoint", ep.put_checkpoint, methods=["PUT"]),
         Route("/sessions/{session}", ep.get_session, methods=["GET"]),
+        *_census_routes(service.store),
     ]
 
 

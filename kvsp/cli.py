@@ -258,11 +258,13 @@ def _add_serve_commands(sub: Any, load: bool) -> None:
     import importlib
 
     from kvsp.web.cliargs import add_common_arguments, with_logging
+    from kvsp.web.config_file import ConfigArgumentParser
 
     serve = sub.add_parser("serve", help="run a KVSP service (kvsp serve -h lists them)")
     if not load:
         return
-    ssub = serve.add_subparsers(metavar="SERVICE", required=True)
+    # every service's flags may also come from KVSP_* variables and --config FILE
+    ssub = serve.add_subparsers(metavar="SERVICE", required=True, parser_class=ConfigArgumentParser)
     for name, (module_name, help_text, port) in SERVICES.items():
         try:
             module = importlib.import_module(module_name)
@@ -271,7 +273,7 @@ def _add_serve_commands(sub: Any, load: bool) -> None:
                 raise
             continue  # the service needs an optional extra that is not installed
         # no abbreviations: "--token SECRET" must not pass for "--token-file SECRET"
-        p = ssub.add_parser(name, help=help_text, allow_abbrev=False)
+        p = ssub.add_parser(name, help=help_text, allow_abbrev=False, service=name)
         add_common_arguments(p, port)
         module.configure_parser(p)
         p.set_defaults(handler=with_logging(module.run))

@@ -32,7 +32,9 @@ Usage (``python -m relay.app`` takes the same options)::
       {"moqt": "moqt://127.0.0.1:P/", "http": "http://127.0.0.1:Q/",
        "carriers": ["moqt+tls://127.0.0.1:R/", ...]}
 
-SIGTERM or SIGINT stops it (records withdrawn first); exit status 0.
+Every flag may also come from a ``KVSP_<FLAG>`` variable or a ``--config FILE`` TOML file (its
+``[relay]`` table; :mod:`kvsp.web.config_file`). SIGTERM or SIGINT stops it (records withdrawn
+first); exit status 0.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from kvsp.web.cliargs import (
     trust_from_args,
 )
 from kvsp.web.clock import SystemClock
+from kvsp.web.config_file import ConfigArgumentParser
 from kvsp.web.runner import write_ready_file
 from kvsp.web.trust import Trust
 from moqt.backend import (
@@ -350,15 +353,21 @@ async def _serve(
             await face.stop()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m relay.app``: the same options as ``kvsp serve relay``."""
+def build_parser() -> ConfigArgumentParser:
+    """The parser of ``python -m relay.app``: ``kvsp serve relay``'s flags, which may also come
+    from ``KVSP_*`` variables and ``--config FILE`` (:mod:`kvsp.web.config_file`)."""
     # no abbreviations: "--token SECRET" must not pass for "--token-file SECRET"
-    parser = argparse.ArgumentParser(
-        prog="relay", description=__doc__.splitlines()[0], allow_abbrev=False
+    parser = ConfigArgumentParser(
+        prog="relay", description=__doc__.splitlines()[0], allow_abbrev=False, service="relay"
     )
     add_common_arguments(parser, DEFAULT_PORT)
     configure_parser(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m relay.app``: the same options as ``kvsp serve relay``."""
+    args = build_parser().parse_args(argv)
     try:
         return run(args)
     except KVSPError as exc:

@@ -435,6 +435,9 @@ def build_parser(load_services: bool = True, load_sim: bool = True) -> argparse.
     from kvsp.demo.cli import add_demo_commands  # the cluster modules load in its handlers
 
     add_demo_commands(sub)
+    from kvsp.ops_cli import add_ops_commands  # clients load in its handlers
+
+    add_ops_commands(sub)
     _add_generate_command(sub)
     _add_sim_command(sub, load_sim)
     _add_serve_commands(sub, load_services)

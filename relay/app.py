@@ -2,11 +2,12 @@
 
 Usage (``python -m relay.app`` takes the same options)::
 
-    kvsp serve relay --listen 127.0.0.1:4443 [--cert C --key K] [--index URL --token-file F]
+    kvsp serve relay --listen 127.0.0.1:4443 [--cert C --key K]
+                     [--index URL --index-token-file F]
                      [--qmux-listen HOST:PORT|off] [--qmux-tcp-listen HOST:PORT]
                      [--qmux-unix PATH] [--trusted-network]
                      [--upstream moqt://origin:4443/] [--cafile PEM | --insecure]
-                     [--http-listen 127.0.0.1:0] [--cache-size 1GiB] [--open]
+                     [--holder-listen 127.0.0.1:0] [--cache-size 1GiB] [--open]
 
 * MOQT draft-16 over raw QUIC (ALPN ``moqt-16``) on ``--listen`` (UDP). Without ``--cert`` and
   ``--key`` it uses a self-signed pair kept in ``STATE/relay-tls`` (made on first start, made
@@ -19,22 +20,31 @@ Usage (``python -m relay.app`` takes the same options)::
 * Peers authenticate with the AUTHORIZATION TOKEN setup parameter (USE_VALUE) against the
   principals file (``--principals``, default ``STATE/principals.toml`` made with one admin
   token). ``--open`` runs without principals (interop testing): every peer may do everything.
-* The HTTP holder face (leases, healthz) listens on ``--http-listen`` (TCP, default port 0);
-  over TLS with ``--cert``/``--key``, else plain HTTP.
+* The holder face (leases, healthz, readyz, metrics) listens on ``--holder-listen`` (TCP,
+  default port 0): HTTPS with ``--cert``/``--key`` (the certificate of the MOQT face), plain
+  HTTP without them.
 * ``--cafile PEM`` (or ``--insecure``, tests only) is what every outbound TLS connection trusts:
-  the upstream relay's MOQT face and the IS; ``--upstream-cafile``/``--upstream-insecure`` are
-  deprecated aliases.
+  the upstream relay's MOQT face and the IS.
 * ``--index URL`` makes it a KVSP holder: every complete stored replica track in its cache is
-  published there as a Replica Record (its token read from ``--token-file``); without it the
-  relay only relays and caches.
+  published there as a Replica Record (its token read from ``--index-token-file``); without it
+  the relay only relays and caches. At start one cheap authenticated request checks the IS
+  and the token (:func:`check_index`): a refused token ends the relay with exit status 2; an
+  IS that does not answer is logged and checked again in the background, since it may start
+  later.
+* Older spellings still work, hidden and logged once as deprecated: ``--token-file``
+  (``--index-token-file``), ``--http-listen`` (``--holder-listen``), ``--backend``
+  (``--moqt-backend``), ``--quic-datagram-size`` (``--moqt-datagram-size``),
+  ``--upstream-cafile`` (``--cafile``), ``--upstream-insecure`` (``--insecure``).
 * ``--ready-file F`` receives, once both listeners are up, one JSON line::
 
       {"moqt": "moqt://127.0.0.1:P/", "http": "http://127.0.0.1:Q/",
        "carriers": ["moqt+tls://127.0.0.1:R/", ...]}
 
+  (``http`` is the holder face's base URL, ``https://`` with ``--cert``.)
+
 Every flag may also come from a ``KVSP_<FLAG>`` variable or a ``--config FILE`` TOML file (its
 ``[relay]`` table; :mod:`kvsp.web.config_file`). SIGTERM or SIGINT stops it (records withdrawn
-first); exit status 0.
+first); exit status 0. Exit status 2: bad options, or the IS refused the token.
 """
 
 from __future__ import annotations
@@ -49,23 +59,26 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography import x509
 
 from kvsp.audience import audience_credential
-from kvsp.errors import BadRequest, KVSPError
+from kvsp.errors import BadRequest, Forbidden, KVSPError, NotFound, RemoteError, Unauthorized
 from kvsp.leases import LeaseQuota
 from kvsp.transfer.moqt_carriers import is_loopback
 from kvsp.transfer.relay_link import datagram_size
 from kvsp.web.auth import Principals
 from kvsp.web.cliargs import (
     add_common_arguments,
+    add_deprecated_aliases,
     load_principals,
     parse_listen,
     positive_int,
     positive_size,
     read_timeouts,
     trust_from_args,
+    warn_deprecated,
 )
 from kvsp.web.clock import SystemClock
 from kvsp.web.config_file import ConfigArgumentParser
@@ -85,35 +98,51 @@ from .relay import Relay, RelayConfig
 from .upstream import UpstreamConfig, parse_moqt_url
 from .web import HttpFace, create_app
 
+if TYPE_CHECKING:
+    from kvsp.services.index.client import IndexClient
+
 DEFAULT_PORT = 4443
 TLS_FOLDER = "relay-tls"
 RENEW_BEFORE = datetime.timedelta(days=2)
+EXIT_REFUSED = 2
+"""Exit status when the IS refuses the relay's token (a configuration error, as bad options)."""
+INDEX_RETRY_S = (1.0, 30.0)
+"""First and longest wait between checks of an IS that does not answer (doubling)."""
+_PROBE_COMPAT = bytes(32)
+"""The compat id :func:`check_index` asks the descriptor of: any answer but 401/403 will do."""
+
+_log = logging.getLogger("relay.app")
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the relay's own options (the common ones come from ``add_common_arguments``)."""
     add = parser.add_argument
-    add(
-        "--http-listen",
+    holder_face = add(
+        "--holder-listen",
         default="127.0.0.1:0",
         metavar="HOST:PORT",
-        help="the HTTP holder face: leases, healthz (default 127.0.0.1:0, a free port)",
+        help="the holder face (leases, healthz, readyz, metrics): HTTPS with --cert/--key, "
+        "else HTTP (default 127.0.0.1:0, a free port)",
     )
+    add_deprecated_aliases(parser, holder_face, "--http-listen")
     add("--open", action="store_true", help="no principals: every peer may do everything")
-    add(
-        "--backend",
+    backend = add(
+        "--moqt-backend",
         choices=BACKENDS,
         default=None,
-        help="QUIC library (default: the fastest installed, qh3 before aioquic)",
+        help="QUIC library of the relay's MOQT faces (default: the fastest installed, qh3 "
+        "before aioquic)",
     )
-    add(
-        "--quic-datagram-size",
+    add_deprecated_aliases(parser, backend, "--backend")
+    datagram = add(
+        "--moqt-datagram-size",
         type=datagram_size,
         default=DEFAULT_DATAGRAM_SIZE,
         metavar="OCTETS",
-        help=f"largest QUIC datagram sent, 1200-65527 (default {DEFAULT_DATAGRAM_SIZE}; 1200: "
-        "aioquic's own default, safe on any path)",
+        help=f"largest QUIC datagram the relay sends, 1200-65527 (default "
+        f"{DEFAULT_DATAGRAM_SIZE}; 1200: aioquic's own default, safe on any path)",
     )
+    add_deprecated_aliases(parser, datagram, "--quic-datagram-size")
     add(
         "--qmux-listen",
         default="",
@@ -136,10 +165,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     add("--upstream", metavar="URL", help="upstream relay, moqt://host:port/ (edge → origin)")
     add("--upstream-token-file", type=Path, metavar="FILE", help="token for the upstream relay")
-    add("--upstream-cafile", type=Path, metavar="PEM", help="deprecated alias of --cafile")
-    add("--upstream-insecure", action="store_true", help="deprecated alias of --insecure")
+    # deprecated aliases of --cafile/--insecure, read by trust_from_args
+    add("--upstream-cafile", type=Path, metavar="PEM", help=argparse.SUPPRESS)
+    add("--upstream-insecure", action="store_true", help=argparse.SUPPRESS)
     add("--index", metavar="URL", help="Index Service to publish Replica Records at")
-    add("--token-file", type=Path, metavar="FILE", help="file holding the IS token")
+    token = add(
+        "--index-token-file",
+        type=Path,
+        metavar="FILE",
+        help="bearer token it presents to the IS (role relay, or holder)",
+    )
+    add_deprecated_aliases(parser, token, "--token-file")
     add("--public-url", metavar="URL", help="moqt:// URI named in records (default: its own)")
     add(
         "--record-ttl-ms",
@@ -215,7 +251,7 @@ def _upstream(args: argparse.Namespace, trust: Trust) -> UpstreamConfig | None:
         token=token,
         cafile=None if trust.cafile is None else Path(trust.cafile),
         verify=trust.verify,
-        backend=args.backend or default_backend(),
+        backend=args.moqt_backend or default_backend(),
     )
 
 
@@ -229,10 +265,12 @@ def _principals(args: argparse.Namespace) -> Principals | None:
 
 def _index_token(args: argparse.Namespace) -> str | None:
     # Secrets come from files only: a command line is readable by every local user.
-    if args.index is None and args.token_file is not None:
-        raise BadRequest("--token-file needs --index")
-    if args.token_file is not None:
-        return _read_secret(args.token_file, "--token-file")
+    if args.index is None and args.index_token_file is not None:
+        raise BadRequest("--index-token-file needs --index")
+    if args.index is not None and args.index_token_file is None:
+        raise BadRequest("--index needs --index-token-file: the IS takes records from no one else")
+    if args.index_token_file is not None:
+        return _read_secret(args.index_token_file, "--index-token-file")
     return None
 
 
@@ -270,8 +308,8 @@ def relay_config(args: argparse.Namespace, trust: Trust | None = None) -> RelayC
         qmux_tcp=qmux_tcp,
         qmux_unix=args.qmux_unix,
         trusted_network=args.trusted_network,
-        backend=args.backend or default_backend(),
-        datagram_size=args.quic_datagram_size,
+        backend=args.moqt_backend or default_backend(),
+        datagram_size=args.moqt_datagram_size,
         cache_bytes=args.cache_size,
         principals=_principals(args),
         upstream=_upstream(args, trust_from_args(args) if trust is None else trust),
@@ -286,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         BadRequest: inconsistent options.
     """
     logging.basicConfig(level=str(args.log_level).upper())
+    warn_deprecated(args)
     trust = trust_from_args(args)
     config = relay_config(args, trust)
     token = _index_token(args)
@@ -298,9 +337,67 @@ def run(args: argparse.Namespace) -> int:
         ),
         capacity=config.cache_bytes,
     )
-    http_host, http_port = parse_listen(args.http_listen)
-    asyncio.run(_serve(args, config, holder_config, token, (http_host, http_port), trust))
+    http_host, http_port = parse_listen(args.holder_listen)
+    try:
+        asyncio.run(_serve(args, config, holder_config, token, (http_host, http_port), trust))
+    except IndexRefused as exc:
+        print(f"relay: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     return 0
+
+
+class IndexRefused(Exception):
+    """The IS refused the relay's token (401 or 403): a configuration error, not a fault that
+    passes."""
+
+
+async def check_index(index: IndexClient, url: str) -> None:
+    """Ask the IS one cheap authenticated question (``GET descriptors/{compat}`` for an id
+    nobody registers, which every relay or holder token may read): any answer but 401 or 403
+    shows that the IS is there and takes the token.
+
+    Raises:
+        IndexRefused: the IS answered 401 or 403.
+        KVSPError: it did not answer (unreachable, 5xx).
+    """
+    try:
+        await index.get_descriptor(_PROBE_COMPAT)
+    except NotFound:
+        return
+    except (Unauthorized, Forbidden) as exc:
+        raise IndexRefused(_refusal(url, exc.status, exc)) from None
+    except RemoteError as exc:
+        if exc.remote_status in (401, 403):
+            raise IndexRefused(_refusal(url, exc.remote_status, exc)) from None
+        if exc.remote_status >= 500:
+            raise
+    _log.info("the Index Service at %s answers and takes the token", url)
+
+
+def _refusal(url: str, status: int, exc: KVSPError) -> str:
+    return (
+        f"the Index Service at {url} refused the token of --index-token-file ({status}: "
+        f"{exc}); give a token it knows, with role relay (kvsp token --role relay ...)"
+    )
+
+
+async def watch_index(index: IndexClient, url: str, refused: list[IndexRefused]) -> None:
+    """Check an IS that did not answer at start again, waiting longer each time
+    (:data:`INDEX_RETRY_S`), until it answers; a refusal then is put in ``refused``."""
+    delay = INDEX_RETRY_S[0]
+    while True:
+        await asyncio.sleep(delay)
+        try:
+            await check_index(index, url)
+        except IndexRefused as exc:
+            _log.error("%s", exc)
+            refused.append(exc)
+            return
+        except KVSPError as exc:
+            delay = min(delay * 2, INDEX_RETRY_S[1])
+            _log.warning("the Index Service at %s does not answer yet: %s", url, exc)
+            continue
+        return
 
 
 async def _serve(
@@ -318,10 +415,23 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     clock = SystemClock()
+    refused: list[IndexRefused] = []
     async with contextlib.AsyncExitStack() as stack:
         index = None
         if args.index is not None:
             index = await stack.enter_async_context(IndexClient(args.index, token, trust=trust))
+            try:
+                await check_index(index, args.index)  # IndexRefused: ends the relay at once
+            except KVSPError as exc:
+                _log.warning(
+                    "the Index Service at %s does not answer (%s): serving, and publishing "
+                    "once it does",
+                    args.index,
+                    exc,
+                )
+                watch = asyncio.create_task(watch_index(index, args.index, refused))
+                watch.add_done_callback(lambda _t: stop.set() if refused else None)
+                stack.callback(watch.cancel)
         holder = RelayHolder(holder_config, clock, index)
         tls = args.cert is not None
         face = HttpFace(
@@ -344,13 +454,15 @@ async def _serve(
             quic = TransportConfig(max_datagram_size=config.datagram_size)
             print(
                 f"kvsp relay: {moqt_url} (QUIC: {transport_banner(config.backend, quic)}); QMux: "
-                f"{', '.join(relay.carriers) or 'off'}; HTTP face {face.url}",
+                f"{', '.join(relay.carriers) or 'off'}; holder face {face.url}",
                 file=sys.stderr,
             )
             await stop.wait()
         finally:
             await relay.close()
             await face.stop()
+    if refused:
+        raise refused[0]
 
 
 def build_parser() -> ConfigArgumentParser:

@@ -1,4 +1,5 @@
-"""The relay's HTTP holder face: leases on relay-held replicas (spec §6.6; DESIGN.md §3, §4).
+"""The relay's holder face, HTTPS with the relay's certificate (plain HTTP without one): leases
+on relay-held replicas (spec §6.6; DESIGN.md §3, §4).
 
 Records published by the relay name this face in their ``lease_base`` member. Routes, with the
 same JSON as the HTTP holder (:mod:`kvsp.services.holder.app`):
@@ -103,7 +104,7 @@ def create_app(holder: RelayHolder, principals: Principals | None, clock: Clock)
     app.state.audiences = lambda: origins([holder.holder_url, holder.lease_base, *holder.carriers])
     install_roles(app, "relay-http", anonymous=ANONYMOUS)
     install_problem_handlers(app)
-    install_operations(app, "relay", "KVSP relay (HTTP holder face)")
+    install_operations(app, "relay", "KVSP relay (holder face)")
     return app
 
 
@@ -157,7 +158,7 @@ class HttpFace:
         while not self._server.started:
             if self._task.done():
                 await self._task  # raises what stopped it
-                raise RuntimeError("the HTTP face stopped during startup")
+                raise RuntimeError("the holder face stopped during startup")
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:

@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("kvsp", "core"),  # the top-level kvsp/*.py modules: the protocol, sans-I/O
     ("kvsp.cli", "top"),  # shell: the `kvsp` command parses arguments and starts any part
     ("kvsp.__main__", "top"),  # shell: `python -m kvsp`
+    ("kvsp.ops_cli", "top"),  # shell: the operator commands (instance, prefetch, replicas)
     ("kvsp.demo", "top"),
     ("kvsp.sim", "top"),
     ("kvsp.stores", "stores"),

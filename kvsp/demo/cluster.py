@@ -385,7 +385,7 @@ class Cluster:
             "relay",
             "relay",
             *("--listen", f"127.0.0.1:{plan.relay_port}", "--public-url", plan.relay_uri),
-            *("--index", control, "--token-file", str(self.files.token_file("relay"))),
+            *("--index", control, "--index-token-file", str(self.files.token_file("relay"))),
             *unix,
         )
 
@@ -405,11 +405,11 @@ class Cluster:
         if self.relay_link:
             socket_path = self._relay_socket()  # the fastest carrier on one host
             uri = plan.relay_uri if socket_path is None else f"moqt+unix://localhost{socket_path}"
-            relay = ["--relay", uri, "--relay-cafile", str(self._relay_certificate())]
+            relay = ["--relay", uri, "--cafile", str(self._relay_certificate())]
         self._serve(
             f"instance-{name}",
             "instance",
-            *("--listen", f"127.0.0.1:{plan.instance_ports[name]}", "--control", control),
+            *("--listen", f"127.0.0.1:{plan.instance_ports[name]}", "--pc", control),
             *("--token-file", str(self.files.token_file(f"instance-{name}"))),
             *("--engine", "reference", "--model", str(self.files.model)),
             *("--block-tokens", str(self.config.block_tokens)),

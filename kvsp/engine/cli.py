@@ -64,8 +64,10 @@ def configure_model_parser(sub: Any) -> None:
     p.add_argument("--max-positions", type=int, default=4096)
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--weights-dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    p.add_argument("--block-tokens", type=int, default=16, metavar="B", help="descriptor.json's")
-    p.add_argument("--kv-dtype", default="fp32", metavar="T", help="descriptor.json's")
+    p.add_argument(
+        "--block-tokens", type=int, default=16, metavar="B", help="descriptor.json's block_tokens"
+    )
+    p.add_argument("--kv-dtype", default="fp32", metavar="T", help="descriptor.json's kv_dtype")
     p.set_defaults(handler=_cmd_init)
     p = msub.add_parser("descriptor", help="print the Compatibility Descriptor of DIR (§4.1)")
     p.add_argument("folder", metavar="DIR")

@@ -357,8 +357,7 @@ def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
         "--relay-cafile",
         type=Path,
         metavar="PEM",
-        help="deprecated alias of --cafile, which covers every outbound TLS connection (the "
-        "relay's MOQT and HTTPS faces, holders, IS, PC)",
+        help=argparse.SUPPRESS,  # deprecated alias of --cafile (kvsp.web.cliargs)
     )
     parser.add_argument(
         "--moqt-carriers",

@@ -18,9 +18,10 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from kvsp.errors import BadRequest
 from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS
@@ -268,7 +269,8 @@ def reload_on_sighup(principals: Principals, path: Path) -> None:
 
 def with_logging(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """``run`` preceded by :func:`~kvsp.web.logs.configure_logging` from ``--log-format``
-    and ``--log-level`` (what ``kvsp serve`` runs for each service).
+    and ``--log-level`` (what ``kvsp serve`` runs for each service), then by the warnings
+    of :func:`warn_deprecated`.
 
     Raises:
         BadRequest: an unknown log level (from the wrapped handler).
@@ -279,6 +281,7 @@ def with_logging(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse
             configure_logging(args.log_format, args.log_level)
         except ValueError as exc:
             raise BadRequest(f"--log-level: {exc}") from None
+        warn_deprecated(args)
         return run(args)
 
     return handler
@@ -356,3 +359,86 @@ def trust_from_args(args: argparse.Namespace) -> Trust:
     if insecure:
         _log.warning("--insecure: outbound TLS certificates are NOT verified (tests only)")
     return trust
+
+
+# --- one name per concept -----------------------------------------------------------------------
+
+_DEPRECATED_USED = "_kvsp_deprecated_options"
+"""The namespace attribute where :class:`DeprecatedAlias` notes the old spellings it read."""
+_warned: set[str] = set()
+
+
+class DeprecatedAlias(argparse.Action):
+    """A hidden older spelling of an option: what it is given is stored exactly as its
+    ``canonical`` option would store it (same type, nargs, choices, destination), and the use
+    is noted for :func:`warn_deprecated`. Made by :func:`add_deprecated_aliases`."""
+
+    def __init__(
+        self,
+        option_strings: list[str],
+        dest: str,
+        canonical: argparse.Action,
+        **_ignored: object,
+    ) -> None:
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=canonical.nargs,
+            const=canonical.const,
+            default=argparse.SUPPRESS,
+            type=None if isinstance(canonical.type, str) else canonical.type,
+            choices=canonical.choices,
+            required=False,
+            help=argparse.SUPPRESS,
+            metavar=canonical.metavar,
+        )
+        self.canonical = canonical
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        """Store as the canonical option and note the old spelling."""
+        used: list[tuple[str, str]] = getattr(namespace, _DEPRECATED_USED, [])
+        pair = (option_string or self.option_strings[0], self.canonical.option_strings[0])
+        if pair not in used:
+            used.append(pair)
+        setattr(namespace, _DEPRECATED_USED, used)
+        self.canonical(parser, namespace, values, self.canonical.option_strings[0])
+
+
+def add_deprecated_aliases(
+    parser: argparse.ArgumentParser,
+    canonical: argparse.Action,
+    *old: str,
+) -> None:
+    """Keep the older spellings ``old`` of ``canonical`` working, hidden from ``--help``; each
+    one used is logged once as a warning naming the option to use (:func:`warn_deprecated`).
+
+    A required ``canonical`` must be added with ``required=False`` and checked after parsing
+    (:func:`require_option`): argparse counts only the canonical spelling as given.
+    """
+    for name in old:
+        parser.add_argument(name, action=DeprecatedAlias, dest=canonical.dest, canonical=canonical)
+
+
+def require_option(args: argparse.Namespace, dest: str, option: str, what: str) -> None:
+    """Refuse a run without option ``option`` (stored at ``dest``), given under any spelling.
+
+    Raises:
+        BadRequest: it was not given.
+    """
+    if getattr(args, dest, None) is None:
+        raise BadRequest(f"{option} is required: {what}")
+
+
+def warn_deprecated(args: argparse.Namespace) -> None:
+    """Log, once per process, a warning for each deprecated option spelling ``args`` used."""
+    used: list[tuple[str, str]] = getattr(args, _DEPRECATED_USED, [])
+    for old, new in used:
+        if old not in _warned:
+            _warned.add(old)
+            _log.warning("%s is deprecated; use %s (it means the same)", old, new)

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvsp.web.cliargs import DeprecatedAlias
+
 ENV_PREFIX = "KVSP_"
 
 SERVICE_TABLES = frozenset({"index", "control", "pc", "holder", "instance", "relay"})
@@ -172,9 +174,12 @@ class ConfigArgumentParser(argparse.ArgumentParser):
     # Private
 
     def _flags(self) -> dict[str, argparse.Action]:
-        """Settable flags by long name without the dashes."""
+        """Settable flags by long name without the dashes (a deprecated spelling is for old
+        command lines only: files and variables, which are new, use the one name)."""
         flags: dict[str, argparse.Action] = {}
         for action in self._actions:
+            if isinstance(action, DeprecatedAlias):
+                continue
             for option in action.option_strings:
                 name = option[2:]
                 if option.startswith("--") and name not in _NOT_SETTINGS:

@@ -192,7 +192,7 @@ def test_the_sites_are_labelled_and_the_instances_know_both_control_planes() -> 
             if path.stem != "control":
                 assert _settings(path)["site"] == site, path
     for path in DEPLOY.glob("two-site/*/instance.toml"):
-        assert len(_settings(path)["control"]) >= 2, path
+        assert len(_settings(path)["pc"]) >= 2, path
     assert _settings(DEPLOY / "two-site/central/control.toml")["store"].startswith("redis://")
     assert "relay" in _settings(DEPLOY / "two-site/edge/instance.toml")
     relay = _settings(DEPLOY / "two-site/edge/relay.toml")

@@ -24,7 +24,7 @@ from relay.app import build_parser as relay_parser
 
 # the flags each service requires, given on the command line where a test needs them
 REQUIRED: dict[str, list[str]] = {
-    "instance": ["--control", "http://127.0.0.1:9/", "--token-file", "instance.token"],
+    "instance": ["--pc", "http://127.0.0.1:9/", "--token-file", "instance.token"],
     "pc": ["--index", "http://127.0.0.1:9/", "--index-token-file", "pc.token"],
 }
 TOKEN = "holder-token-0123456789abcdefghijklmnop"
@@ -97,7 +97,7 @@ def test_command_line_beats_environment_beats_file_beats_default(
 def test_required_flags_may_come_from_the_file(tmp_path: Path) -> None:
     config = _write(
         tmp_path / "instance.toml",
-        'control = "http://127.0.0.1:9/"\ntoken-file = "/etc/kvsp/instance.token"\n',
+        'pc = "http://127.0.0.1:9/"\ntoken-file = "/etc/kvsp/instance.token"\n',
     )
     args = _parse("instance", "--config", str(config))
     assert args.token_file == Path("/etc/kvsp/instance.token")
@@ -117,11 +117,11 @@ def test_a_list_repeats_a_repeatable_flag_and_the_command_line_replaces_it(
 def test_a_list_for_a_single_valued_flag_is_one_comma_separated_value(tmp_path: Path) -> None:
     config = _write(
         tmp_path / "i.toml",
-        'control = ["http://a.example/", "http://b.example/"]\ntoken-file = "t"\n',
+        'pc = ["http://a.example/", "http://b.example/"]\ntoken-file = "t"\n',
     )
     from_file = _parse("instance", "--config", str(config))
     given = _parse(
-        "instance", "--control", "http://a.example/,http://b.example/", "--token-file", "t"
+        "instance", "--pc", "http://a.example/,http://b.example/", "--token-file", "t"
     )
     assert from_file.control == given.control
 

@@ -81,10 +81,12 @@ from kvsp.stores.descriptors import DescriptorRegistry, read_descriptor_file
 from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments
 from kvsp.web.auth import Principals, principal_of, require_scope
 from kvsp.web.cliargs import (
+    add_deprecated_aliases,
     load_principals,
     parse_size,
     positive_int,
     positive_size,
+    require_option,
     serve_config,
     trust_from_args,
 )
@@ -344,9 +346,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the instance's options (``kvsp serve instance``)."""
     d = InstanceConfig()
     add = parser.add_argument
-    add("--control", required=True, metavar="URL", help="the PC (or kvsp serve control)")
-    add("--index", metavar="URL", help="the IS, when apart from the PC (default: --control)")
-    add("--token-file", required=True, type=Path, metavar="FILE", help="bearer token it uses")
+    # --pc is required; given as --control too, so argparse cannot check it: run() does
+    pc = add("--pc", dest="control", metavar="URL", help="the PC (or kvsp serve control); required")
+    add_deprecated_aliases(parser, pc, "--control")
+    add("--index", metavar="URL", help="the IS, when apart from the PC (default: --pc)")
+    add(
+        "--token-file",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="its own bearer token (role instance), for the PC and the IS alike",
+    )
     engines = ["toy", "reference", "transformers"]
     add("--engine", choices=engines, default="toy", help="the engine (default toy)")
     add("--descriptor", type=Path, metavar="D.json", help="Compatibility Descriptor to compute")
@@ -616,6 +626,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         BadRequest: inconsistent options or unreadable files.
     """
+    require_option(args, "control", "--pc", "the PC this instance reports to")
     config = instance_config(args)
     token = _read_secret(args.token_file, "--token-file")
     tiers = dict(args.tier) or {Tier.HOST: 1 << 30}

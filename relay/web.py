@@ -9,7 +9,8 @@ same JSON as the HTTP holder (:mod:`kvsp.services.holder.app`):
 * ``PUT leases/{id}`` ``{ttl_ms}`` → 200 LeaseGrant; ``DELETE leases/{id}`` → 204;
 * ``GET healthz`` (no token) → ``{"status": "ok"}``;
 * ``GET metrics`` (role ``metrics``; :mod:`kvsp.web.metrics`: leases, and the MOQT octets
-  of the relay named by ``app.state.relay``), ``GET openapi.json`` (no token).
+  of the relay named by ``app.state.relay``, those it sent as ``kvsp_block_served_bytes``),
+  ``GET openapi.json`` (no token).
 
 Errors are RFC 9457 problems. Every request but healthz needs ``Authorization: Bearer``; in
 open mode (no principals) every request acts as an anonymous admin.

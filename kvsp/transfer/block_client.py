@@ -30,7 +30,7 @@ import httpx
 
 from kvsp import sha256x2
 from kvsp.audience import AudienceSigner, lease_base_allowed
-from kvsp.container import Geometry, header_fields
+from kvsp.container import Container, Geometry, header_fields, header_size
 from kvsp.container_reader import LayerSink
 from kvsp.errors import (
     BadRequest,
@@ -57,6 +57,7 @@ from kvsp.transfer.verify import (
 from kvsp.transfer.verify_slices import SLICE_STEP, SliceBody
 from kvsp.web.client import decode_answer, problem_error
 from kvsp.web.http import parse_repr_digest, repr_digest
+from kvsp.web.meters import FetchMeter
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
 from kvsp.web.trust import Trust
 
@@ -234,7 +235,10 @@ class BlockClient:
     nothing). With ``moqt`` (closed with this client) :meth:`get_block` and :meth:`fetch`
     also serve ``moqt://`` replicas (a relay's) through it; leases stay HTTP (a relay's
     ``lease_base``). ``trust`` (the process's one TLS trust setting, :mod:`kvsp.web.trust`)
-    is what a bulk client made here trusts for ``https`` holders and lease bases.
+    is what a bulk client made here trusts for ``https`` holders and lease bases. ``meter``
+    counts every :meth:`get_block` by transport and source: a verified block's octets on the
+    wire and seconds to verified, a failure's error class (default: a
+    :class:`~kvsp.web.meters.FetchMeter` of its own).
     """
 
     def __init__(
@@ -252,6 +256,7 @@ class BlockClient:
         buffers: BufferPool | None = None,
         inline_below: int = INLINE_BELOW,
         trust: Trust | None = None,
+        meter: FetchMeter | None = None,
     ) -> None:
         # Holders get a credential for their own origin, never the token (kvsp.audience).
         self._signer = AudienceSigner(token)
@@ -268,6 +273,7 @@ class BlockClient:
         self.slice_step = slice_step
         self.inline_below = inline_below
         self.stats = stats or FetchStats()
+        self.meter = FetchMeter() if meter is None else meter
         self._owns_buffers = buffers is None
         self.buffers = BufferPool() if buffers is None else buffers
 
@@ -320,10 +326,35 @@ class BlockClient:
             TransportError: connection failed, broke off or timed out; malformed HTTP.
             KVSPError: any other problem the holder answered.
         """
+        source = holder_base if holder_base.endswith("/") else holder_base + "/"
+        began = time.perf_counter()
+        try:
+            block, octets = await self._get_block(
+                holder_base, record, layers, geometry, codec, sink, block_tokens
+            )
+        except KVSPError as exc:
+            self.meter.record_failure(source, type(exc).__name__)  # metrics
+            raise
+        self.meter.record(source, octets, time.perf_counter() - began)  # metrics
+        return block
+
+    async def _get_block(
+        self,
+        holder_base: str,
+        record: ReplicaRecord,
+        layers: tuple[int, int] | None,
+        geometry: Geometry,
+        codec: int | None,
+        sink: LayerSink | None,
+        block_tokens: int | None,
+    ) -> tuple[VerifiedBlock, int]:
+        """:meth:`get_block`, and the octets that crossed the wire for it: a MOQT fetch's
+        object payloads (K ‖ V per layer: the header is rebuilt, never sent), an HTTP
+        answer's body (the container, header included)."""
         if self.moqt is not None and _is_moqt(holder_base):
             if codec is not None and codec != record.codec:
                 raise Incompatible("a MOQT holder serves the replica's codec only")
-            return await self.moqt.get_block(
+            block = await self.moqt.get_block(
                 record,
                 layers=layers,
                 geometry=geometry,
@@ -331,6 +362,7 @@ class BlockClient:
                 sink=sink,
                 holder=holder_base,
             )
+            return block, _layer_octets(block)
         base = _http_base(holder_base)
         plan = plan_block(record, layers, geometry, codec)
         query = f"?layers={plan.first}-{plan.last}" if layers is not None else ""
@@ -352,13 +384,14 @@ class BlockClient:
         if not isinstance(body, VerifyingBody | SliceBody):
             raise _error_of(response)
         container, producer = await body.result()
-        return VerifiedBlock(
+        block = VerifiedBlock(
             **header_fields(container),
             layers=container.layers,
             record=record,
             source=base,
             producer_verified=producer,
         )
+        return block, header_size(container.layer_count) + _layer_octets(container)
 
     def _verifying_body(
         self, plan: BlockPlan, expected: bytes, length: int | None, sink: LayerSink | None
@@ -527,6 +560,10 @@ def _lease_url(holder_base: str, lease: str) -> str:
     if _LEASE_ID.fullmatch(lease) is None:
         raise ValueError(f"not a lease identifier: {lease[:40]!r}")
     return f"{_http_base(holder_base)}leases/{lease}"
+
+
+def _layer_octets(block: Container) -> int:
+    return sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
 
 
 def _sha256_parts(parts: Sequence[Buffer]) -> bytes:

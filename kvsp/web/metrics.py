@@ -11,24 +11,50 @@ may share one process, as in the tests), mounted by :func:`install_metrics`:
   ``holder``, ``agent``, ``relay``) or counted by the handlers through :func:`observe_lookup`
   and :func:`observe_bytes`: replicas in the IS store, lookups and the cache hit ratio
   (matched / asked keys), active leases, storage faults of held blocks, bytes moved per
-  transport, directive outcomes, and instance states.
+  transport, directive outcomes, and instance states;
+* at an instance, what :mod:`kvsp.web.meters` counted: prefix cache queries and hits in tokens
+  (``generate`` and ``prefetch`` paths, §6.5), the time to first token, and each block fetch
+  (§6.7) by transport and source holder: a verified block's octets and seconds, a failure's
+  error class;
+* block octets **served** by transport at every holder face (HTTP GET answers) and relay (MOQT
+  objects sent), named and labelled like the fetching side's, so that the octets an instance
+  fetched over a transport add up to those its sources served over it;
+* ``kvsp_build_info`` and the standard ``process_*`` (from ``/proc/self``: absent where there
+  is none), ``python_info`` and ``python_gc_*`` metrics of ``prometheus_client``.
 
 **Who may read it.** ``/metrics`` needs ``Authorization: Bearer`` of a principal with role
 ``metrics`` (or ``admin``): a scrape-only credential, so a Prometheus server never holds a token
 that can publish, place or read blocks. Loopback is no exception (other local users can connect
 too). The metrics are aggregates only: no scope ids, block keys, holder URIs or principal
-names appear in any label. A relay run ``--open`` has no principals and serves it to anyone,
-like everything else it serves.
+names appear in any label, with one exception: the ``source`` label of an instance's fetch
+metrics names the holder it fetched from (a base URI from a Replica Record), for the first
+:data:`~kvsp.web.meters.MAX_SOURCES` holders only, then ``other``. A relay run ``--open`` has no
+principals and serves it to anyone, like everything else it serves.
 """
 
 from __future__ import annotations
 
+import platform
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
@@ -37,8 +63,10 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvsp import __version__
 from kvsp.registries import DirectiveState, InstanceState
 from kvsp.web.auth import principal_of
+from kvsp.web.meters import PATHS, Buckets, FetchMeter, GenerationMeter
 
 METRICS_PATH = "/metrics"
 METRICS_ROLE = "metrics"
@@ -48,6 +76,8 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 """Seconds: lookups take tens of microseconds to milliseconds, block transfers up to seconds."""
 TRANSPORTS = ("http", "moqt")
 DIRECTIONS = ("sent", "received")
+ARRIVED = "kvsp.arrived"
+"""The ASGI scope key under which :class:`MetricsMiddleware` notes when a request arrived."""
 
 
 class ServiceMetrics:
@@ -74,6 +104,12 @@ class ServiceMetrics:
         self.octets: dict[tuple[str, str], int] = {}  # (transport, direction) → octets
         self._app: Starlette | None = None
         self.registry.register(_DomainCollector(self))
+        # the standard process and interpreter metrics; ProcessCollector reads /proc/self and
+        # yields nothing where there is none
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(_BuildInfo(service))
 
     def bind(self, app: Starlette) -> None:
         """Read the domain objects from ``app.state`` when scraped."""
@@ -95,8 +131,25 @@ class ServiceMetrics:
         out = self._lookup_families()
         out.append(self._octet_family())
         if self._app is not None:
+            out.extend(self._served_families(self._app.state))
             out.extend(_state_families(self.service, self._app.state))
         return out
+
+    def _served_families(self, state: Any) -> Iterator[Metric]:
+        """Octets served by transport, where the app serves blocks (a holder, an instance's
+        holder face, a relay): the ``sent`` octets of :meth:`_octet_family`, the same count."""
+        if all(getattr(state, name, None) is None for name in ("holder", "agent", "relay")):
+            return
+        family = CounterMetricFamily(
+            "kvsp_block_served_bytes",
+            "Octets of KV blocks served, by transport: HTTP GET answers (container octets) "
+            "and MOQT objects sent (layer payloads).",
+            labels=["service", "transport"],
+        )
+        totals = self._octet_totals()
+        for transport in TRANSPORTS:
+            family.add_metric([self.service, transport], totals.get((transport, "sent"), 0))
+        yield family
 
     def _lookup_families(self) -> list[Metric]:
         lookups = CounterMetricFamily(
@@ -129,13 +182,16 @@ class ServiceMetrics:
             "Octets of KV block data moved, by transport and direction.",
             labels=["service", "transport", "direction"],
         )
+        for (transport, direction), octets in sorted(self._octet_totals().items()):
+            family.add_metric([self.service, transport, direction], octets)
+        return family
+
+    def _octet_totals(self) -> dict[tuple[str, str], int]:
         totals = dict(self.octets)
         if self._app is not None:
             for key, octets in _domain_octets(self._app.state).items():
                 totals[key] = totals.get(key, 0) + octets
-        for (transport, direction), octets in sorted(totals.items()):
-            family.add_metric([self.service, transport, direction], octets)
-        return family
+        return totals
 
     def exposition(self) -> bytes:
         """The text exposition of every metric."""
@@ -155,6 +211,29 @@ class _DomainCollector(Collector):
         return ()  # the families vary with the app's contents: nothing to check up front
 
 
+class _BuildInfo(Collector):
+    """``kvsp_build_info``: 1, labelled with what runs (the ``*_info`` convention)."""
+
+    def __init__(self, service: str) -> None:
+        labels = {
+            "service": service,
+            "version": __version__,
+            "python": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "platform": sys.platform,
+            "machine": platform.machine(),
+        }
+        self._family = GaugeMetricFamily(
+            "kvsp_build_info",
+            "The KVSP build this process runs, and on what; always 1.",
+            labels=list(labels),
+        )
+        self._family.add_metric(list(labels.values()), 1)
+
+    def collect(self) -> Iterable[Metric]:
+        return [self._family]
+
+
 # --- domain objects read at scrape time -------------------------------------------------------
 
 
@@ -163,8 +242,9 @@ def _domain_octets(state: Any) -> dict[tuple[str, str], int]:
     relay's MOQT sessions."""
     out: dict[tuple[str, str], int] = {}
     agent = getattr(state, "agent", None)
-    if agent is not None:
-        for transport, octets in agent.links.octets_by_transport.items():
+    meter = getattr(getattr(agent, "block_client", None), "meter", None)
+    if meter is not None:  # an instance's fetches, as kvsp_block_fetched_bytes counts them
+        for transport, octets in meter.octets_by_transport().items():
             out[(transport, "received")] = octets
     relay = getattr(state, "relay", None)
     if relay is not None:
@@ -258,6 +338,71 @@ def _agent_families(service: str, agent: Any) -> Iterator[Metric]:
         "outcome",
         outcomes,
     )
+    yield from generation_families(service, agent.meter)
+    meter = getattr(agent.block_client, "meter", None)
+    if isinstance(meter, FetchMeter):
+        yield from fetch_families(service, meter)
+
+
+def generation_families(service: str, meter: GenerationMeter) -> Iterator[Metric]:
+    """Prefix cache queries and hits (tokens, by path) and the time to first token, from a
+    :class:`~kvsp.web.meters.GenerationMeter`."""
+    queries = CounterMetricFamily(
+        "kvsp_prefix_cache_queries",
+        "Prefix cache queries in tokens: a generation's prompt tokens, a directive's blocks' "
+        "tokens (§6.5).",
+        labels=["service", "path"],
+    )
+    hits = CounterMetricFamily(
+        "kvsp_prefix_cache_hits",
+        "Prefix cache hits in tokens: the tokens of a prompt's leading blocks found held "
+        "(engine or holder face), of a directive's blocks held or loaded.",
+        labels=["service", "path"],
+    )
+    for path in PATHS:
+        queries.add_metric([service, path], meter.queries.get(path, 0))
+        hits.add_metric([service, path], meter.hits.get(path, 0))
+    ttft = HistogramMetricFamily(
+        "kvsp_time_to_first_token_seconds",
+        "Seconds from a generate request's arrival to its first output token.",
+        labels=["service"],
+    )
+    _add_histogram(ttft, [service], meter.ttft)
+    return iter((queries, hits, ttft))
+
+
+def fetch_families(service: str, meter: FetchMeter) -> Iterator[Metric]:
+    """Block fetches by transport and source holder, from a
+    :class:`~kvsp.web.meters.FetchMeter`: octets and seconds of verified blocks, failures by
+    error."""
+    octets = CounterMetricFamily(
+        "kvsp_block_fetched_bytes",
+        "Octets of verified KV blocks fetched, by transport and source holder: HTTP answer "
+        "bodies (container octets) and MOQT object payloads (layers).",
+        labels=["service", "transport", "source"],
+    )
+    latency = HistogramMetricFamily(
+        "kvsp_block_fetch_duration_seconds",
+        "Seconds from a block request to the block verified, by transport and source holder.",
+        labels=["service", "transport", "source"],
+    )
+    failures = CounterMetricFamily(
+        "kvsp_block_fetch_failures",
+        "Block fetches that failed, by transport, source holder and error (the problem's "
+        "class: NotFound, DigestMismatch, TransportError, ...).",
+        labels=["service", "transport", "source", "error"],
+    )
+    for (transport, source), count in sorted(meter.octets.items()):
+        octets.add_metric([service, transport, source], count)
+    for (transport, source), buckets in sorted(meter.latency.items()):
+        _add_histogram(latency, [service, transport, source], buckets)
+    for (transport, source, error), count in sorted(meter.failures.items()):
+        failures.add_metric([service, transport, source, error], count)
+    return iter((octets, latency, failures))
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], buckets: Buckets) -> None:
+    family.add_metric(labels, buckets.cumulative(), buckets.sum)
 
 
 def _by_label(
@@ -307,6 +452,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         began = time.perf_counter()
+        scope[ARRIVED] = began
         status = 500  # what the client sees if the app fails before it answers
 
         async def sending(message: Message) -> None:
@@ -358,6 +504,13 @@ def install_metrics(app: Starlette, service: str) -> ServiceMetrics:
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.router.routes.extend(metrics_routes())
     return metrics
+
+
+def arrival(request: Request) -> float:
+    """When ``request`` arrived (:func:`time.perf_counter` seconds), as noted by
+    :class:`MetricsMiddleware`; now in an app without it."""
+    arrived = request.scope.get(ARRIVED)
+    return arrived if isinstance(arrived, float) else time.perf_counter()
 
 
 def _metrics_of(request: Request) -> ServiceMetrics | None:

@@ -4,7 +4,9 @@ one real process (an instance that runs a directive), and a real MOQT relay for 
 
 from __future__ import annotations
 
+import platform
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -12,14 +14,17 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 
+import kvsp
 from kvsp.compat import compat_id
 from kvsp.container import encode_container
 from kvsp.index import holder_id_of
 from kvsp.keys import block_keys
 from kvsp.records import InstanceStatusRecord, ReplicaRecord
 from kvsp.registries import InstanceState
+from kvsp.web.metrics import ARRIVED, arrival
 from kvsp.web.testing import InProcessClient, start_process
 from moqt.certs import make_self_signed
 from tests.support import SUPPORT
@@ -31,6 +36,7 @@ HELPERS = SUPPORT / "operations.py"
 COMPAT = compat_id(ops.DESCRIPTOR)
 SCOPE_HEX = ops.SCOPE.hex()
 KEYS = block_keys(ops.SCOPE_KEY, COMPAT, list(range(16)), 4)
+STARTED = time.time()
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -141,6 +147,20 @@ def test_a_server_error_is_counted_as_500(tmp_path: Path) -> None:
     assert value(scrape(client), "kvsp_http_requests_total", route="/healthz", status="500") == 1
 
 
+def test_the_middleware_notes_when_a_request_arrived(tmp_path: Path) -> None:
+    app = ops.build_app("holder", tmp_path)
+    seen: list[tuple[float, object, float]] = []
+
+    async def probe(request: Request) -> Response:
+        seen.append((arrival(request), request.scope.get(ARRIVED), time.perf_counter()))
+        return Response(b"")
+
+    app.router.routes.insert(0, Route("/healthz", probe, methods=["GET"]))
+    assert InProcessClient(app).get("/healthz").status_code == 200
+    [(arrived, noted, handled)] = seen
+    assert isinstance(noted, float) and arrived == noted <= handled  # before the handler ran
+
+
 def test_every_app_has_its_own_registry(tmp_path: Path) -> None:
     first = InProcessClient(ops.build_app("index", tmp_path / "a"))
     second = InProcessClient(ops.build_app("index", tmp_path / "b"))
@@ -244,6 +264,9 @@ def test_holder_counts_leases_and_block_octets(tmp_path: Path) -> None:
     )
     sent = len(got.content) + len(part.content)
     assert value(text, "kvsp_block_bytes_total", transport="http", direction="sent") == sent
+    # the serving side's count, named like the fetching side's kvsp_block_fetched_bytes
+    assert value(text, "kvsp_block_served_bytes_total", transport="http") == sent
+    assert value(text, "kvsp_block_served_bytes_total", transport="moqt") == 0
     assert value(text, "kvsp_leases_active") == 1
     assert value(text, "kvsp_leased_blocks") == 1
 
@@ -305,3 +328,82 @@ def test_relay_counts_moqt_payload_octets(tmp_path: Path) -> None:
     # Received from the publisher, sent to the consumer; sessions that ended still count.
     assert value(text, "kvsp_block_bytes_total", transport="moqt", direction="received") == payload
     assert value(text, "kvsp_block_bytes_total", transport="moqt", direction="sent") == payload
+    assert value(text, "kvsp_block_served_bytes_total", transport="moqt") == payload
+
+
+# --- build info and process metrics -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("service", ops.SERVICES)
+def test_every_service_has_build_info_and_process_metrics(service: str, tmp_path: Path) -> None:
+    text = scrape(InProcessClient(ops.build_app(service, tmp_path)))
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    info = families["kvsp_build_info"]
+    assert info.type == "gauge"
+    [sample] = info.samples
+    assert sample.value == 1
+    assert sample.labels["service"] == service
+    assert sample.labels["version"] == kvsp.__version__
+    assert sample.labels["python"] == platform.python_version()
+    assert sample.labels["platform"] == sys.platform
+    assert families["python_info"].samples[0].value == 1
+    if Path("/proc/self/stat").exists():  # Linux: read from /proc/self
+        assert families["process_resident_memory_bytes"].samples[0].value > 0
+        assert families["process_open_fds"].samples[0].value > 0
+        assert families["process_cpu_seconds"].type == "counter"
+        started = families["process_start_time_seconds"].samples[0].value
+        assert 0 < started <= time.time()
+    else:  # absent where there is no /proc, never made up
+        assert "process_resident_memory_bytes" not in families
+
+
+def test_a_served_process_reports_its_own_process_metrics(tmp_path: Path) -> None:
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("no /proc: the process metrics are absent by design")
+    with start_process([sys.executable, str(HELPERS), "index"], workdir=tmp_path) as service:
+        text = httpx.get(f"{service.base_url}metrics", headers=ops.METRICS, timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    # the served process's, not this test's: its start time is after this test began
+    assert families["process_start_time_seconds"].samples[0].value >= STARTED - 1
+    assert families["process_resident_memory_bytes"].samples[0].value > 0
+
+
+# --- prefix cache and time to first token -------------------------------------------------------
+
+
+def test_instance_process_counts_prefix_cache_tokens_and_time_to_first_token(
+    tmp_path: Path,
+) -> None:
+    prompt = list(range(100, 110))  # two whole blocks of 4 tokens, and 2 more
+    block_tokens = ops.DESCRIPTOR.block_tokens
+    with (
+        start_process([sys.executable, str(HELPERS), "instance"], workdir=tmp_path) as service,
+        httpx.Client(base_url=service.base_url, headers=ops.ADMIN, timeout=30) as http,
+    ):
+        loaded = []
+        for _ in range(2):  # the second finds the first's blocks held
+            answer = http.post("generate", json={"prompt": prompt, "max_tokens": 3})
+            assert answer.status_code == 200, answer.text
+            assert len(answer.text.splitlines()) == 3
+            loaded.append(int(answer.headers["kvsp-loaded-blocks"]))
+        nothing = http.post("generate", json={"prompt": prompt, "max_tokens": 0})
+        assert nothing.status_code == 200 and nothing.text == ""
+        text = http.get("metrics", headers=ops.METRICS).text
+    assert loaded == [0, len(prompt) // block_tokens]
+    generate = {"path": "generate"}
+    assert value(text, "kvsp_prefix_cache_queries_total", **generate) == 3 * len(prompt)
+    hits = 2 * (len(prompt) // block_tokens) * block_tokens  # the second and third requests
+    assert value(text, "kvsp_prefix_cache_hits_total", **generate) == hits
+    assert value(text, "kvsp_prefix_cache_queries_total", path="prefetch") == 0
+    # two generations produced a first token; the one of max_tokens 0 none
+    assert value(text, "kvsp_time_to_first_token_seconds_count") == 2
+    assert value(text, "kvsp_time_to_first_token_seconds_bucket", le="+Inf") == 2
+    total = value(text, "kvsp_time_to_first_token_seconds_sum")
+    assert total is not None and total > 0
+    buckets = sorted(
+        (float(dict(labels)["le"]), count)
+        for (name, labels), count in samples(text).items()
+        if name == "kvsp_time_to_first_token_seconds_bucket"
+    )
+    counts = [count for _, count in buckets]
+    assert counts == sorted(counts) and len(counts) == 23  # cumulative, vLLM's bounds and +Inf

@@ -51,9 +51,10 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -92,6 +93,7 @@ from kvsp.web.cliargs import (
 )
 from kvsp.web.clock import Clock, SystemClock
 from kvsp.web.http import JsonLimits, install_operations, read_json
+from kvsp.web.metrics import arrival
 from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
 from kvsp.web.roles import install_roles
 from kvsp.web.runner import ServeConfig, serve_async
@@ -122,9 +124,17 @@ def _resolve_scope(agent: InstanceAgent, body: GenerateRequest) -> tuple[ScopeId
     return ScopeId(scope), key
 
 
-async def _ndjson(session: Session, sampling: Sampling = GREEDY) -> AsyncIterator[bytes]:
+def _no_first() -> None:
+    pass
+
+
+async def _ndjson(
+    session: Session, sampling: Sampling = GREEDY, first: Callable[[], None] = _no_first
+) -> AsyncIterator[bytes]:
     try:
         async for index, token in session.tokens(sampling):
+            if index == 0:
+                first()  # metrics: time to first token
             line = {"index": index, "epoch": session.epoch, "token": token}
             yield dumps_json(line) + b"\n"
     except KVSPError as exc:
@@ -134,9 +144,13 @@ async def _ndjson(session: Session, sampling: Sampling = GREEDY) -> AsyncIterato
         yield dumps_json({"error": {"status": 500, "title": "Internal error"}}) + b"\n"
 
 
-async def _session_ndjson(live: LiveSession, start: int) -> AsyncIterator[bytes]:
+async def _session_ndjson(
+    live: LiveSession, start: int, first: Callable[[], None] = _no_first
+) -> AsyncIterator[bytes]:
     try:
         async for index, token in live.stream(start):
+            if index == 0:
+                first()  # metrics: time to first token
             yield dumps_json({"index": index, "epoch": live.epoch, "token": token}) + b"\n"
     except KVSPError as exc:
         yield dumps_json({"error": exc.to_problem()}) + b"\n"
@@ -201,8 +215,10 @@ class _InstanceEndpoints:
         body = GenerateRequest.from_json(await read_json(request, limits))
         scope, key = _resolve_scope(self.agent, body)
         require_scope(principal, scope)
+        arrived = arrival(request)
+        first = functools.partial(self.agent.meter.first_token, arrived)  # metrics
         if body.session is not None:
-            return await self._open_session(body, scope, key)
+            return await self._open_session(body, scope, key, first)
         session = await self.agent.open_session(body.prompt, body.max_tokens, scope, key)
         headers = {
             "kvsp-loaded-blocks": str(session.loaded_blocks),
@@ -210,13 +226,15 @@ class _InstanceEndpoints:
             "cache-control": "no-store",
         }
         return StreamingResponse(
-            _ndjson(session, body.sampling),
+            _ndjson(session, body.sampling, first),
             media_type=NDJSON,
             headers=headers,
             background=BackgroundTask(session.close),
         )
 
-    async def _open_session(self, body: GenerateRequest, scope: ScopeId, key: bytes) -> Response:
+    async def _open_session(
+        self, body: GenerateRequest, scope: ScopeId, key: bytes, first: Callable[[], None]
+    ) -> Response:
         if body.session is None:
             raise BadRequest("no session", path="$.session")
         live, opened = await self._sessions().open(
@@ -232,7 +250,7 @@ class _InstanceEndpoints:
             "kvsp-loaded-blocks": str(opened.loaded_blocks),
             "kvsp-computed-blocks": str(opened.computed_blocks),
         }
-        return _stream(_session_ndjson(live, 0), headers)
+        return _stream(_session_ndjson(live, 0, first), headers)
 
     async def get_tokens(self, request: Request) -> Response:
         principal = principal_of(request)

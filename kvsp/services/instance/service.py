@@ -87,6 +87,7 @@ from kvsp.transfer.verify import VerifiedBlock
 from kvsp.web.auth import Principal
 from kvsp.web.background import raise_if_cancelling
 from kvsp.web.clock import Clock
+from kvsp.web.meters import GenerationMeter
 
 _log = logging.getLogger("kvsp.instance")
 
@@ -270,6 +271,8 @@ class InstanceAgent:
         self.compat = compat_id(self.descriptor)
         self.geometry = Geometry.from_descriptor(self.descriptor)
         self.links = LinkMeter()
+        self.meter = GenerationMeter()
+        """Prefix cache queries and hits in tokens, and times to first token (metrics)."""
         self.directives = DirectiveBook()
         self.loads_started = 0
         self._epochs = EpochStore(config.state_dir)
@@ -553,6 +556,8 @@ class InstanceAgent:
             return await self.engine.prefill(prompt, await self.held_prefix(scope, keys))
 
         seq = await self._admit(prefill)
+        found = seq.loaded_blocks * self.descriptor.block_tokens
+        self.meter.count_prefix("generate", len(prompt), found)  # metrics
         self._keep_computed(scope, keys, seq)
         session = Session(self, seq, max_tokens)
         session.keys = keys
@@ -671,6 +676,9 @@ class InstanceAgent:
         try:
             await self._directive(progress)
         finally:
+            tokens = self.descriptor.block_tokens  # metrics: blocks asked for, blocks loaded
+            asked, loaded = len(progress.keys) * tokens, len(progress.loaded) * tokens
+            self.meter.count_prefix("prefetch", asked, loaded)
             stopped = self._stopped.pop(progress.directive.directive, None)
             if stopped is not None:
                 stopped.set()

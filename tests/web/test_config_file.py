@@ -120,9 +120,7 @@ def test_a_list_for_a_single_valued_flag_is_one_comma_separated_value(tmp_path: 
         'pc = ["http://a.example/", "http://b.example/"]\ntoken-file = "t"\n',
     )
     from_file = _parse("instance", "--config", str(config))
-    given = _parse(
-        "instance", "--pc", "http://a.example/,http://b.example/", "--token-file", "t"
-    )
+    given = _parse("instance", "--pc", "http://a.example/,http://b.example/", "--token-file", "t")
     assert from_file.control == given.control
 
 

@@ -222,10 +222,6 @@ class LinkMeter:
         self.window = window
         self._rtt: dict[str, deque[float]] = {}
         self._transfers: dict[str, deque[tuple[int, float]]] = {}
-        self.octets_total = 0
-        """Octets of every verified block received so far (operations metrics)."""
-        self.octets_by_transport: dict[str, int] = {}
-        """The same, by transport: ``moqt`` for a ``moqt``-family source URI, else ``http``."""
 
     def record_rtt(self, holder: str, seconds: float) -> None:
         """A request/answer round trip to ``holder`` (time to the first byte of the answer)."""
@@ -234,9 +230,6 @@ class LinkMeter:
     def record_transfer(self, holder: str, octets: int, seconds: float) -> None:
         """A verified block of ``octets`` received from ``holder`` in ``seconds``."""
         self._transfers.setdefault(holder, deque(maxlen=self.window)).append((octets, seconds))
-        self.octets_total += octets
-        transport = "moqt" if holder.lower().startswith("moqt") else "http"
-        self.octets_by_transport[transport] = self.octets_by_transport.get(transport, 0) + octets
 
     def links(self) -> tuple[Link, ...]:
         """One link per holder with both a transfer and a round trip observed."""

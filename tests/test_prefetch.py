@@ -156,14 +156,3 @@ def test_book_forgets_the_oldest_stopped_directives() -> None:
     with pytest.raises(NotFound):
         book.get(directive(1, ident=1).directive)
     assert book.get(directive(1, ident=9).directive) is running
-
-
-def test_link_meter_counts_octets_by_the_source_transport() -> None:
-    """A block from a relay's ``moqt://`` URI counts under moqt, one from a holder under http
-    (the metric the relay's own ``sent`` side is compared with)."""
-    meter = LinkMeter()
-    meter.record_transfer("http://h1:8471/", 100, 0.1)
-    meter.record_transfer("moqt://relay:4443/", 40, 0.1)
-    meter.record_transfer("MOQT+TLS://relay:4444/", 2, 0.1)
-    assert meter.octets_by_transport == {"http": 100, "moqt": 42}
-    assert meter.octets_total == 142

@@ -15,7 +15,6 @@ from kvsp.prefetch import (
     TRANSITIONS,
     DirectiveBook,
     DirectiveProgress,
-    LinkMeter,
     check_transition,
 )
 from kvsp.records import DirectiveBlock, PrefetchDirective

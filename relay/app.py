@@ -67,6 +67,7 @@ from kvsp.web.cliargs import (
 )
 from kvsp.web.clock import SystemClock
 from kvsp.web.runner import write_ready_file
+from kvsp.web.sites import add_site_arguments, site_labels
 from kvsp.web.trust import Trust
 from moqt.backend import (
     BACKENDS,
@@ -138,6 +139,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--index", metavar="URL", help="Index Service to publish Replica Records at")
     add("--token-file", type=Path, metavar="FILE", help="file holding the IS token")
     add("--public-url", metavar="URL", help="moqt:// URI named in records (default: its own)")
+    add_site_arguments(parser)
     add(
         "--record-ttl-ms",
         type=positive_int,
@@ -286,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     trust = trust_from_args(args)
     config = relay_config(args, trust)
     token = _index_token(args)
+    labels = site_labels(args)
     holder_config = HolderConfig(
         record_ttl_ms=args.record_ttl_ms,
         lease_quota=LeaseQuota(
@@ -294,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
             max_leases_per_client=args.lease_max_count,
         ),
         capacity=config.cache_bytes,
+        site=labels.site,
+        zone=labels.zone,
     )
     http_host, http_port = parse_listen(args.http_listen)
     asyncio.run(_serve(args, config, holder_config, token, (http_host, http_port), trust))

@@ -13,8 +13,16 @@ The §6.4 formulas, as computed here for an instance ``i``:
   layer count is ``len(layer_digests)``, else the ``layers`` argument, else one past the highest
   residency layer. A block is resident at ``i`` when one of its replicas has ``holder == i``;
   it costs nothing.
-* Usable prefix: a matched block that is neither resident nor held by a source ``i`` has a link
-  to cannot be loaded, and because Block Keys are chained the blocks after it cannot be used
+* Usable sources (locality): ``i`` may load from a holder it reports a link to (§6.3 ``links``,
+  measured), and, at an :class:`AssumedLink` rate when it has measured none, from a holder in
+  its own site (the ``site`` extension members of the status and Replica Records agree, or
+  neither has one) and from its own edge relay (the status's ``relay``). Of a block's usable
+  holders only those of the best locality are used: same zone, then same site, then the rest.
+  A block whose holders ``i`` can use none of is loaded through ``i``'s relay when it has one
+  (the relay fetches a miss from whoever announced the scope, DESIGN §4), at the rate of
+  ``i``'s link to the relay.
+* Usable prefix: a matched block that is neither resident nor available from a usable source
+  cannot be loaded, and because Block Keys are chained the blocks after it cannot be used
   either; the plan covers the leading run of blocks ``i`` can get and recomputes the rest.
 * Source choice: blocks with the same replica offers (same holders with the same octets and
   tier split) form a group; groups are taken in order of their first block, and each block of a
@@ -34,7 +42,7 @@ import bisect
 import functools
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -60,6 +68,10 @@ class ReplicaLike(Protocol):
 
     @property
     def holder(self) -> str: ...
+    @property
+    def site(self) -> str | None: ...
+    @property
+    def zone(self) -> str | None: ...
     @property
     def size(self) -> int: ...
     @property
@@ -96,6 +108,119 @@ class InstanceStatusLike(Protocol):
     def prefill_tokens_per_s(self) -> float: ...
     @property
     def links(self) -> Sequence[LinkLike]: ...
+    @property
+    def site(self) -> str | None: ...
+    @property
+    def zone(self) -> str | None: ...
+    @property
+    def relay(self) -> str | None: ...
+
+
+# --- locality ----------------------------------------------------------------------------------
+
+SAME_ZONE = 0
+"""Locality rank of a holder in the instance's site and zone."""
+SAME_SITE = 1
+"""Locality rank of a holder in the instance's site (or, unlabelled, of a holder without one)."""
+OTHER_SITE = 2
+"""Locality rank of any other holder: usable over a measured link only."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AssumedLink:
+    """The link the PC assumes from an instance to a usable source it has not measured.
+
+    Instances report only links they measured, and they measure a link by fetching over it,
+    so without an assumption no directive would reach a fresh instance. It applies to holders
+    in the instance's own site and to its own relay, never across sites.
+    """
+
+    mbit_per_s: float
+    rtt_us: float
+
+
+def locality(status: InstanceStatusLike, site: str | None, zone: str | None) -> int:
+    """:data:`SAME_ZONE`, :data:`SAME_SITE` or :data:`OTHER_SITE` for a holder labelled
+    ``site``/``zone`` as seen from ``status``'s instance."""
+    if status.site is None:
+        return SAME_SITE if site is None else OTHER_SITE
+    if site != status.site:
+        return OTHER_SITE
+    return SAME_ZONE if status.zone is not None and zone == status.zone else SAME_SITE
+
+
+def same_uri(a: str, b: str) -> bool:
+    """Whether two base URIs name the same place (a trailing ``/`` aside)."""
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def relay_source(status: InstanceStatusLike) -> str | None:
+    """The instance's relay as a directive may name it (a ``moqt://`` URI), else ``None``."""
+    relay = status.relay
+    if relay is None or relay[:7].lower() != "moqt://":
+        return None
+    return relay
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SourceLink:
+    """How one instance reaches one source: locality rank, rate, and whether measured."""
+
+    holder: str
+    rank: int
+    mbit_per_s: float
+    rtt_us: float
+    measured: bool
+
+
+class SourceView:
+    """The sources one instance may use (see the module docstring), with their links."""
+
+    __slots__ = ("_assumed", "_measured", "_relay", "status")
+
+    def __init__(self, status: InstanceStatusLike, assumed: AssumedLink | None = None) -> None:
+        self.status = status
+        self._assumed = assumed if assumed is not None and assumed.mbit_per_s > 0 else None
+        self._measured: dict[str, LinkLike] = {}
+        for reported in status.links:
+            if reported.mbit_per_s > 0 and reported.holder not in self._measured:
+                self._measured[reported.holder] = reported
+        self._relay = relay_source(status)
+
+    def is_relay(self, holder: str) -> bool:
+        """Whether ``holder`` is the instance's own relay."""
+        return self._relay is not None and same_uri(holder, self._relay)
+
+    def link(self, holder: str, site: str | None, zone: str | None) -> SourceLink | None:
+        """The instance's link to ``holder`` (labelled ``site``/``zone``), or ``None`` when it
+        may not use it."""
+        rank = locality(self.status, site, zone)
+        if self.is_relay(holder):
+            rank = min(rank, SAME_SITE)  # its own relay is in its site, labelled or not
+        measured = self._measured.get(holder)
+        if measured is not None:
+            return SourceLink(
+                holder=holder,
+                rank=rank,
+                mbit_per_s=measured.mbit_per_s,
+                rtt_us=measured.rtt_us,
+                measured=True,
+            )
+        if self._assumed is None or rank > SAME_SITE:
+            return None
+        return SourceLink(
+            holder=holder,
+            rank=rank,
+            mbit_per_s=self._assumed.mbit_per_s,
+            rtt_us=self._assumed.rtt_us,
+            measured=False,
+        )
+
+    def relay_link(self) -> SourceLink | None:
+        """The link to the instance's relay, as a source of blocks it does not hold yet."""
+        if self._relay is None:
+            return None
+        return self.link(self._relay, self.status.site, self.status.zone)
 
 
 # --- per-request preparation -------------------------------------------------------------------
@@ -124,6 +249,8 @@ class FetchInputs:
 
     matched: int
     groups: tuple[_Group, ...]
+    places: Mapping[str, tuple[str | None, str | None]]
+    """Each holder's ``(site, zone)``, from its first record."""
 
 
 def _portions(replica: ReplicaLike, layers: int | None) -> _Portions:
@@ -175,11 +302,14 @@ def prepare_fetch(
     holder for a block, the first counts.
     """
     by_signature: dict[tuple[tuple[str, _Portions], ...], list[int]] = {}
+    places: dict[str, tuple[str | None, str | None]] = {}
     for index, replicas in enumerate(replicas_per_key):
         offers: dict[str, _Portions] = {}
         for replica in replicas:
             if replica.holder not in offers:
                 offers[replica.holder] = _portions(replica, layers)
+                if replica.holder not in places:
+                    places[replica.holder] = (replica.site, replica.zone)
         by_signature.setdefault(tuple(sorted(offers.items())), []).append(index)
     groups = tuple(
         _Group(
@@ -191,7 +321,7 @@ def prepare_fetch(
         )
         for sig, indices in by_signature.items()  # insertion order = order of first block
     )
-    return FetchInputs(matched=len(replicas_per_key), groups=groups)
+    return FetchInputs(matched=len(replicas_per_key), groups=groups, places=places)
 
 
 # --- source allocation -------------------------------------------------------------------------
@@ -322,34 +452,47 @@ class FetchPlan:
 
 
 def _reachable(
-    inputs: FetchInputs, status: InstanceStatusLike
+    inputs: FetchInputs, status: InstanceStatusLike, assumed: AssumedLink | None
 ) -> tuple[int, list[list[_Source] | None]]:
-    """The usable prefix length and, per group before the first gap, its reachable sources."""
-    links: dict[str, LinkLike] = {}
-    for reported in status.links:
-        if reported.mbit_per_s > 0 and reported.holder not in links:
-            links[reported.holder] = reported
+    """The usable prefix length and, per group before the first gap, its sources: the usable
+    holders of the best locality, else the instance's relay."""
+    view = SourceView(status, assumed)
+    links = {h: view.link(h, site, zone) for h, (site, zone) in inputs.places.items()}
+    relay = view.relay_link()
     per_group: list[list[_Source] | None] = []
     for group in inputs.groups:
         if status.instance in group.holders:
             per_group.append(None)  # resident at i: costs nothing
             continue
-        sources = []
+        usable: list[tuple[int, _Source]] = []
         for offer in group.offers:
             link = links.get(offer.holder)
             if link is None:
                 continue
             block_us = _transfer_us(offer.portions, link.mbit_per_s)
             if block_us < math.inf:
-                sources.append(
-                    _Source(
-                        holder=offer.holder,
-                        start_us=link.rtt_us,
-                        block_us=block_us,
-                        block_bytes=offer.block_bytes,
-                    )
+                source = _Source(
+                    holder=offer.holder,
+                    start_us=link.rtt_us,
+                    block_us=block_us,
+                    block_bytes=offer.block_bytes,
                 )
-        if not sources:
+                usable.append((link.rank, source))
+        if usable:
+            best = min(rank for rank, _ in usable)
+            sources = [source for rank, source in usable if rank == best]
+        elif relay is not None and group.offers:
+            # None of the holders is usable: the relay fetches the block from its publisher.
+            octets = min(offer.block_bytes for offer in group.offers)
+            sources = [
+                _Source(
+                    holder=relay.holder,
+                    start_us=relay.rtt_us,
+                    block_us=_transfer_us(((math.inf, octets),), relay.mbit_per_s),
+                    block_bytes=octets,
+                )
+            ]
+        else:
             # Chained keys: nothing after the first unreachable block is usable (§4.2, §6.2).
             return group.indices[0], per_group
         per_group.append(sources)
@@ -357,14 +500,19 @@ def _reachable(
 
 
 def plan_fetch(
-    inputs: FetchInputs, status: InstanceStatusLike, *, with_sources: bool = False
+    inputs: FetchInputs,
+    status: InstanceStatusLike,
+    *,
+    with_sources: bool = False,
+    assumed: AssumedLink | None = None,
 ) -> FetchPlan:
     """Plan the loads of instance ``status.instance`` and compute its ``fetch_us`` (§6.4).
 
     ``with_sources`` also lists the holder chosen for each usable block (``O(blocks)``; ask for
-    it only for the instance that gets the request).
+    it only for the instance that gets the request). ``assumed`` is the link assumed to a
+    usable source the instance has not measured (``None``: measured links only).
     """
-    usable, per_group = _reachable(inputs, status)
+    usable, per_group = _reachable(inputs, status, assumed)
     finish: dict[str, float] = {}
     octets: dict[str, float] = {}
     chosen: list[str | None] = [None] * usable if with_sources else []
@@ -496,14 +644,15 @@ def estimate_instance(
     prompt_tokens: int,
     service_times: ServiceTimeEstimator,
     with_sources: bool = False,
+    assumed: AssumedLink | None = None,
 ) -> PlacementEstimate:
-    """``cost(i)`` and its parts for one instance (§6.4).
+    """``cost(i)`` and its parts for one instance (§6.4); ``assumed`` as for :func:`plan_fetch`.
 
     Raises:
         BadRequest: ``block_tokens <= 0`` or a prompt shorter than the matched blocks.
     """
     _check_request(inputs, block_tokens, prompt_tokens)
-    fetch = plan_fetch(inputs, status, with_sources=with_sources)
+    fetch = plan_fetch(inputs, status, with_sources=with_sources, assumed=assumed)
     rate = status.prefill_tokens_per_s
     unmatched = recompute_us(prompt_tokens - fetch.usable_blocks * block_tokens, rate)
     everything = recompute_us(prompt_tokens, rate)
@@ -599,8 +748,12 @@ def choose_instance(
     layers: int | None = None,
     max_cost_us: float = math.inf,
     queue_limit: int | None = None,
+    assumed: AssumedLink | None = None,
 ) -> PlacementDecision | None:
     """The active candidate with the lowest cost (§6.4), or ``None`` when there is none.
+
+    Each candidate loads from the sources it may use (module docstring: measured links, and
+    ``assumed`` to unmeasured holders in its site and to its relay).
 
     Only candidates whose ``state`` is active are considered (§6.3 MUST NOT). A candidate is
     acceptable when its cost is finite and at most ``max_cost_us`` and it has capacity
@@ -629,6 +782,7 @@ def choose_instance(
             block_tokens=block_tokens,
             prompt_tokens=prompt_tokens,
             service_times=service_times,
+            assumed=assumed,
         )
         if not est.cost_us <= max_cost_us or est.cost_us == math.inf:
             continue
@@ -644,6 +798,7 @@ def choose_instance(
         prompt_tokens=prompt_tokens,
         service_times=service_times,
         with_sources=True,
+        assumed=assumed,
     )
     return PlacementDecision(instance=detailed.instance, estimate=detailed, considered=considered)
 

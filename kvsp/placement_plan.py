@@ -10,7 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvsp.fields import Fields
-from kvsp.placement import ServiceTimeEstimator
+from kvsp.placement import (
+    AssumedLink,
+    ServiceTimeEstimator,
+    SourceLink,
+    SourceView,
+    relay_source,
+    same_uri,
+)
 from kvsp.records import (
     DirectiveBlock,
     InstanceStatusRecord,
@@ -48,23 +55,34 @@ class DirectiveOptions:
 
 
 class _Fallbacks:
-    """``chosen`` then a block's other holders the instance has a link to, fastest first;
-    memoized per holder set, since runs of blocks share their holders."""
+    """``chosen``, then a block's other holders the instance may use (:class:`SourceView`:
+    best locality first, then fastest, then lowest RTT), then the instance's relay; memoized
+    per holder set, since runs of blocks share their holders."""
 
-    __slots__ = ("_memo", "_rates")
+    __slots__ = ("_memo", "_relay", "_view")
 
-    def __init__(self, status: InstanceStatusRecord) -> None:
-        self._rates = {link.holder: (link.mbit_per_s, link.rtt_us) for link in status.links}
+    def __init__(self, status: InstanceStatusRecord, assumed: AssumedLink | None) -> None:
+        self._view = SourceView(status, assumed)
+        self._relay = relay_source(status)
         self._memo: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
 
     def __call__(self, chosen: str, replicas: Sequence[ReplicaRecord]) -> tuple[str, ...]:
         memo_key = (chosen, tuple(r.holder for r in replicas))
         found = self._memo.get(memo_key)
         if found is None:
-            rates = self._rates
-            others = {h for h in memo_key[1] if h != chosen and h in rates}
-            ranked = sorted(others, key=lambda h: (-rates[h][0], rates[h][1], h))
-            found = self._memo[memo_key] = (chosen, *ranked)
+            links: dict[str, SourceLink] = {}
+            for r in replicas:
+                if r.holder != chosen and r.holder not in links:
+                    link = self._view.link(r.holder, r.site, r.zone)
+                    if link is not None:
+                        links[r.holder] = link
+            ranked = sorted(
+                links.values(), key=lambda k: (k.rank, -k.mbit_per_s, k.rtt_us, k.holder)
+            )
+            found = (chosen, *(link.holder for link in ranked))
+            if self._relay is not None and not any(same_uri(h, self._relay) for h in found):
+                found = (*found, self._relay)
+            self._memo[memo_key] = found
         return found
 
 
@@ -77,15 +95,19 @@ def build_directive(
     status: InstanceStatusRecord,
     deadline_ms: int,
     lease_ms: int,
+    assumed: AssumedLink | None = None,
 ) -> PrefetchDirective | None:
     """The directive that loads the usable prefix planned by §6.4 (``sources`` per block,
     ``None`` for a block already resident), or ``None`` when nothing needs loading.
 
     Each block lists its chosen source first and then, as fallbacks for a holder that evicted
-    it (§6.1 "treat a 404 as a miss and continue with the next replica"), its other holders
-    the instance reports a link to, fastest first. Blocks keep prefix order.
+    it or cannot be reached (§6.1 "treat a 404 as a miss and continue with the next
+    replica"), its other holders the instance may use (measured links, and ``assumed`` ones to
+    holders in its site; :class:`~kvsp.placement.SourceView`), nearest and fastest first, and
+    last the instance's own relay, which fetches a block it does not hold from the publisher
+    of its scope. Blocks keep prefix order.
     """
-    fallbacks = _Fallbacks(status)
+    fallbacks = _Fallbacks(status, assumed)
     blocks = tuple(
         DirectiveBlock(block_key=request.block_keys[i], sources=fallbacks(chosen, replicas[i]))
         for i, chosen in enumerate(sources)

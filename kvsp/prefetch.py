@@ -19,10 +19,17 @@ a prefix: because Block Keys are chained (§4.2), a block is useless without eve
 it, so the first block that cannot be loaded ends the prefix. The module is sans-I/O: the
 instance's shell runs the transfers and feeds the outcomes in with ``now_ms``, and the
 transfers' timings into :class:`LinkMeter`, which turns them into the §4.4 ``links``.
+
+A directive may name the instance's own edge relay as a source of a block the relay does not
+hold yet (the PC does so when the instance can reach none of the block's holders,
+:mod:`kvsp.placement`): the IS then has no record of the relay's copy, and
+:func:`through_relay` derives the one the instance fetches with from another holder's record of
+the same block (the relay passes the FETCH to whoever announced the scope, DESIGN §4).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Mapping
@@ -30,8 +37,9 @@ from typing import Final
 
 from kvsp.errors import Conflict, IllegalTransition, NotFound
 from kvsp.ids import BlockKey
-from kvsp.records import DirectiveStatus, Link, PrefetchDirective
-from kvsp.registries import DirectiveState
+from kvsp.moqt_mapping import encode_namespace_octets, kv_namespace
+from kvsp.records import DirectiveStatus, Link, PrefetchDirective, ReplicaRecord
+from kvsp.registries import Codec, DirectiveState
 
 TRANSITIONS: Final[Mapping[tuple[DirectiveState, DirectiveState], str]] = {
     (DirectiveState.PENDING, DirectiveState.PENDING): "progress",
@@ -242,3 +250,27 @@ class LinkMeter:
                 rate = 8 * octets / seconds / 1e6
                 out.append(Link(holder=holder, mbit_per_s=rate, rtt_us=min(rtts) * 1e6))
         return tuple(out)
+
+
+def through_relay(template: ReplicaRecord, relay: str) -> ReplicaRecord | None:
+    """The record of ``template``'s block as the ``moqt://`` ``relay`` serves it when it does
+    not hold it: the same octets and digests, the relay as holder, the block's namespace
+    (DESIGN §4), no lease base (the relay cannot lease what it does not hold: the copy is
+    fetched unleased, and a miss is a miss as §6.1 allows). ``None`` when the block cannot
+    travel over MOQT (a codec other than raw, or no layer digests to check it with).
+    """
+    if template.codec != Codec.RAW or template.layer_digests is None:
+        return None
+    if relay[:7].lower() != "moqt://":
+        return None
+    fields = kv_namespace(template.compat_id, template.scope_id, template.block_key)
+    return dataclasses.replace(
+        template,
+        holder=relay,
+        residency=None,
+        moqt_namespace=encode_namespace_octets(fields),
+        lease_base=None,
+        moqt_carriers=None,
+        site=None,
+        zone=None,
+    )

@@ -33,6 +33,11 @@ CARRIER_SCHEMES = frozenset({"moqt+tls", "moqt+tcp", "moqt+unix"})
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _NAME = re.compile(r"[A-Za-z0-9._~-]+")
 _URI_FORBIDDEN = re.compile(r"[\x00-\x20\x7f\"<>\\^`{|}]")
+LABEL_PATTERN = "^[a-z0-9][a-z0-9-]{0,62}$"
+"""A site or zone label (the extension members ``site``/``zone``, which peers that do not know
+them ignore, spec §4.4): lowercase letters, digits and hyphens, at most 63 characters, not
+starting with a hyphen."""
+_LABEL = re.compile(LABEL_PATTERN[1:-1])
 
 TokenRange = tuple[int, int]
 """A half-open token range ``[start, end)`` (§6.9)."""
@@ -279,3 +284,29 @@ def read_optional_rate(fields: Fields, key: str) -> float | None:
         RecordError: ``null``, not a number, or not > 0.
     """
     return read_rate(fields, key) if fields.has(key) else None
+
+
+def check_label(value: str, what: str = "label") -> str:
+    """``value`` when it is a site or zone label (:data:`LABEL_PATTERN`).
+
+    Raises:
+        ValueError: anything else (the message names ``what`` and the pattern).
+    """
+    if not _LABEL.fullmatch(value):
+        raise ValueError(f"{what} {value[:80]!r} does not match {LABEL_PATTERN}")
+    return value
+
+
+def read_label(fields: Fields, key: str) -> str | None:
+    """The optional site or zone label ``key`` (absent: ``None``).
+
+    Raises:
+        RecordError: ``null``, not a string, or not a label, at the member's path.
+    """
+    value = fields.string(key, optional=True)
+    if value is None:
+        return None
+    try:
+        return check_label(value, key)
+    except ValueError as exc:
+        raise RecordError(str(exc), path=fields.at(key)) from None

@@ -12,6 +12,7 @@ from kvsp.errors import RecordError
 from kvsp.fields import Fields
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records_common import (
+    CARRIER_SCHEMES,
     HTTP_SCHEMES,
     MAX_KEYS,
     UINT32_MAX,
@@ -19,6 +20,7 @@ from kvsp.records_common import (
     hex_list,
     number_json,
     read_block_keys,
+    read_label,
     read_name,
     read_opaque,
     read_rate,
@@ -27,6 +29,9 @@ from kvsp.records_common import (
     read_uuid,
 )
 from kvsp.registries import DirectiveState, InstanceState
+
+RELAY_SCHEMES = frozenset({"moqt"}) | CARRIER_SCHEMES
+"""What the ``relay`` extension member may name: the instance's ``--relay`` URI."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,6 +96,13 @@ class InstanceStatusRecord:
     All members of the spec's example are required except ``requested_state``, which may be
     absent or ``null`` (both ``None``; written as ``null``) or ``"sleeping"``. ``links`` holds at
     most one link per holder; ``kv_utilization`` is in [0, 1].
+
+    Extension members (§4.4: a peer that does not know them ignores them), each absent when
+    ``None`` and never ``null``: ``site`` and ``zone``, labels (:data:`LABEL_PATTERN
+    <kvsp.records_common.LABEL_PATTERN>`) of where the instance runs, which placement uses to
+    prefer nearby sources (:mod:`kvsp.placement`); ``relay``, the URI of the instance's edge
+    relay (``--relay``), which a directive may name as the source of a block the instance
+    cannot reach elsewhere.
     """
 
     instance: str
@@ -105,6 +117,9 @@ class InstanceStatusRecord:
     links: tuple[Link, ...]
     requested_state: InstanceState | None
     ttl_ms: int
+    site: str | None = None
+    zone: str | None = None
+    relay: str | None = None
 
     @classmethod
     def from_json(cls, obj: object, path: str = "$") -> Self:
@@ -130,11 +145,15 @@ class InstanceStatusRecord:
             links=_read_links(f),
             requested_state=_read_requested_state(f),
             ttl_ms=f.integer("ttl_ms"),
+            site=read_label(f, "site"),
+            zone=read_label(f, "zone"),
+            relay=_read_relay(f),
         )
 
     def to_json(self) -> dict[str, Any]:
-        """Render as JSON (``requested_state`` always written, ``null`` when none)."""
-        return {
+        """Render as JSON (``requested_state`` always written, ``null`` when none; the
+        extension members only when set)."""
+        out: dict[str, Any] = {
             "instance": self.instance,
             "epoch": self.epoch,
             "state": str(self.state),
@@ -148,6 +167,15 @@ class InstanceStatusRecord:
             "requested_state": None if self.requested_state is None else str(self.requested_state),
             "ttl_ms": self.ttl_ms,
         }
+        for name, value in (("site", self.site), ("zone", self.zone), ("relay", self.relay)):
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def _read_relay(f: Fields) -> str | None:
+    raw = f.raw("relay", optional=True)
+    return None if raw is None else read_uri(raw, f.at("relay"), RELAY_SCHEMES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

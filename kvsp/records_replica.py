@@ -29,6 +29,7 @@ from kvsp.records_common import (
     number_json,
     read_block_keys,
     read_hex32_list,
+    read_label,
     read_opaque,
     read_optional_rate,
     read_pair,
@@ -116,6 +117,9 @@ class ReplicaRecord:
     ``moqt_carriers``, another extension member, lists the holder's MOQT-over-QMux endpoints
     (fastest first); a client uses one only where it names the holder's own host
     (:mod:`kvsp.transfer.moqt_carriers`).
+    ``site`` and ``zone``, extension members too, label where the holder runs
+    (:data:`~kvsp.records_common.LABEL_PATTERN`; absent when ``None``): placement prefers
+    holders in an instance's own site and assumes a link only to those (:mod:`kvsp.placement`).
     ``moqt_namespace`` holds the namespace octets (fields with their length octets); see
     :func:`~kvsp.moqt_mapping.split_namespace_octets`. ``codec`` is any uint16; whether it is
     registered matters to whoever decodes the block, not to the index.
@@ -134,6 +138,8 @@ class ReplicaRecord:
     moqt_namespace: bytes | None = None
     lease_base: str | None = None
     moqt_carriers: tuple[str, ...] | None = None
+    site: str | None = None
+    zone: str | None = None
 
     @classmethod
     def from_json(cls, obj: object, path: str = "$") -> Self:
@@ -180,6 +186,8 @@ class ReplicaRecord:
             moqt_carriers=None
             if carriers is None
             else _read_carriers(carriers, f.at("moqt_carriers")),
+            site=read_label(f, "site"),
+            zone=read_label(f, "zone"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -204,6 +212,10 @@ class ReplicaRecord:
             out["lease_base"] = self.lease_base
         if self.moqt_carriers is not None:
             out["moqt_carriers"] = list(self.moqt_carriers)
+        if self.site is not None:
+            out["site"] = self.site
+        if self.zone is not None:
+            out["zone"] = self.zone
         return out
 
     @property

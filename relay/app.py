@@ -83,6 +83,7 @@ from kvsp.web.cliargs import (
 from kvsp.web.clock import SystemClock
 from kvsp.web.config_file import ConfigArgumentParser
 from kvsp.web.runner import write_ready_file
+from kvsp.web.sites import add_site_arguments, site_labels
 from kvsp.web.trust import Trust
 from moqt.backend import (
     BACKENDS,
@@ -177,6 +178,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     add_deprecated_aliases(parser, token, "--token-file")
     add("--public-url", metavar="URL", help="moqt:// URI named in records (default: its own)")
+    add_site_arguments(parser)
     add(
         "--record-ttl-ms",
         type=positive_int,
@@ -328,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
     trust = trust_from_args(args)
     config = relay_config(args, trust)
     token = _index_token(args)
+    labels = site_labels(args)
     holder_config = HolderConfig(
         record_ttl_ms=args.record_ttl_ms,
         lease_quota=LeaseQuota(
@@ -336,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
             max_leases_per_client=args.lease_max_count,
         ),
         capacity=config.cache_bytes,
+        site=labels.site,
+        zone=labels.zone,
     )
     http_host, http_port = parse_listen(args.holder_listen)
     try:

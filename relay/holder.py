@@ -4,7 +4,8 @@ For each complete, verified stored replica track in its cache the relay publishe
 Record at the Index Service: holder = its ``moqt://`` URI, ``moqt_namespace`` = the five
 namespace fields, ``digest`` = the track name, the layer digests of the objects, every layer in
 host memory, the container size, codec raw, a TTL that is the track's remaining
-MAX_CACHE_DURATION capped by configuration, and ``lease_base`` = its HTTP face. Records are
+MAX_CACHE_DURATION capped by configuration, ``lease_base`` = its HTTP face, and the ``site`` and
+``zone`` labels it was given (extension members, for placement's locality). Records are
 refreshed at a third of their granted TTL, withdrawn **before** their track is evicted, and
 withdrawn when the track expires. A track whose block is leased is never chosen for eviction;
 MAX_CACHE_DURATION still ends it (the publisher's cache directive), after its record is
@@ -63,6 +64,10 @@ class HolderConfig:
     lease_quota: LeaseQuota = field(default_factory=_default_quota)
     capacity: int | None = None
     """The cache budget in octets: leases stop at half of it (``None``: only ``lease_quota``)."""
+    site: str | None = None
+    """The ``site`` label its records carry (spec §4.4 extension member; ``--site``)."""
+    zone: str | None = None
+    """The ``zone`` label its records carry (``--zone``)."""
 
     def lease_policy(self) -> LeaseQuota:
         """The lease quota applied (§6.6), bounded by the capacity when it is known."""
@@ -163,6 +168,8 @@ class RelayHolder:
                 lease_base=self.lease_base,
                 ttl_ms=ttl,
                 carriers=self.carriers,
+                site=self.config.site,
+                zone=self.config.zone,
             )
             try:
                 granted = await self.index.publish(record)

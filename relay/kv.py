@@ -154,12 +154,14 @@ def replica_record(
     lease_base: str | None,
     ttl_ms: int,
     carriers: tuple[str, ...] = (),
+    site: str | None = None,
+    zone: str | None = None,
 ) -> ReplicaRecord:
     """The Replica Record the relay publishes for a cached replica (§4.4, DESIGN §4).
 
     ``holder`` is the relay's ``moqt://`` URI, ``lease_base`` its HTTP face, ``carriers`` its
-    QMux URIs (``moqt_carriers``); every layer is in host memory; ``size`` is the container
-    size (header plus payloads), codec raw.
+    QMux URIs (``moqt_carriers``), ``site``/``zone`` its labels (extension members); every
+    layer is in host memory; ``size`` is the container size (header plus payloads), codec raw.
     """
     block = replica.block
     return ReplicaRecord(
@@ -176,4 +178,6 @@ def replica_record(
         moqt_namespace=encode_namespace_octets(replica.key[0]),
         lease_base=lease_base,
         moqt_carriers=carriers or None,
+        site=site,
+        zone=zone,
     )

@@ -44,6 +44,8 @@ class Replica:
     size: int = MB
     layer_digests: tuple[bytes, ...] | None = None
     residency: tuple[Residency, ...] | None = None
+    site: str | None = None
+    zone: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +64,9 @@ class Status:
     batch_size: int = 32
     prefill_tokens_per_s: float = 40_000.0
     links: tuple[Link, ...] = field(default=())
+    site: str | None = None
+    zone: str | None = None
+    relay: str | None = None
 
 
 def est(

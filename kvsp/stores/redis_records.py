@@ -4,8 +4,8 @@
 A record is kept without its block key, compat id and scope id (the key names carry them):
 ``version (1) ‖ codec (2) ‖ size (8) ‖ ttl_ms (8) ‖ digest (32) ‖ flags (1) ‖ holder``, then,
 as the flags say, the layer digests, the residency section, ``moqt_namespace``,
-``lease_base`` and ``moqt_carriers`` (newline-joined); strings and sections are preceded by a
-4-octet length, integers are big-endian.
+``lease_base``, ``moqt_carriers`` (newline-joined), ``site`` and ``zone``; strings and
+sections are preceded by a 4-octet length, integers are big-endian.
 It is less than half the record's JSON and decodes faster (``bench/bench_index.py`` prints
 both). A *key value* is the largest expiry of its entries (15 ASCII digits), then per holder
 ``holder id (16) ‖ expiry (15 digits) ‖ length (10 digits) ‖ compact record``.
@@ -31,7 +31,7 @@ _RECORD = struct.Struct("!BHQQ32sBI")  # version, codec, size, ttl_ms, digest, f
 _COUNT = struct.Struct("!I")  # counts and lengths: no record a body limit admits comes near
 _RESIDENCY = struct.Struct("!IId")  # first, last, read_mbit_per_s (NaN: absent)
 _VERSION = 1
-_LAYERS, _RESIDENCIES, _NAMESPACE, _LEASE, _CARRIERS = 1, 2, 4, 8, 16
+_LAYERS, _RESIDENCIES, _NAMESPACE, _LEASE, _CARRIERS, _SITE, _ZONE = 1, 2, 4, 8, 16, 32, 64
 _TIERS = {t.value.encode(): t for t in Tier}
 
 
@@ -57,6 +57,8 @@ def encode_record(record: ReplicaRecord) -> bytes:
         | (record.moqt_namespace is not None) * _NAMESPACE
         | (record.lease_base is not None) * _LEASE
         | (record.moqt_carriers is not None) * _CARRIERS
+        | (record.site is not None) * _SITE
+        | (record.zone is not None) * _ZONE
     )
     holder = record.holder.encode()
     head = (_VERSION, record.codec, record.size, record.ttl_ms, record.digest, flags, len(holder))
@@ -78,6 +80,9 @@ def encode_record(record: ReplicaRecord) -> bytes:
         parts.append(_text(record.lease_base))
     if record.moqt_carriers is not None:
         parts.append(_text("\n".join(record.moqt_carriers)))  # URIs hold no newline
+    for label in (record.site, record.zone):
+        if label is not None:
+            parts.append(_text(label))
     try:
         return b"".join(parts)
     except struct.error as exc:
@@ -150,6 +155,15 @@ def decode_record(
         if flags & _CARRIERS:
             (length,) = _COUNT.unpack_from(data, pos)
             carriers = tuple(data[pos + 4 : pos + 4 + length].decode().split("\n"))
+            pos += 4 + length
+        labels: list[str | None] = []
+        for flag in (_SITE, _ZONE):
+            label = None
+            if flags & flag:
+                (length,) = _COUNT.unpack_from(data, pos)
+                label = _holder_text(data[pos + 4 : pos + 4 + length])
+                pos += 4 + length
+            labels.append(label)
     except (struct.error, KeyError, UnicodeDecodeError) as exc:
         raise ValueError(f"truncated or malformed compact record: {exc}") from None
     return ReplicaRecord(
@@ -166,6 +180,8 @@ def decode_record(
         moqt_namespace=namespace,
         lease_base=lease_base,
         moqt_carriers=carriers,
+        site=labels[0],
+        zone=labels[1],
     )
 
 

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from kvsp.records_common import LABEL_PATTERN
 from kvsp.registries import DirectiveState, InstanceState, Tier
 from kvsp.sessions import SessionState
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
@@ -72,6 +73,12 @@ def _uint(maximum: int = UINT64_MAX, minimum: int = 0) -> Schema:
 
 _NUMBER: Schema = {"type": "number", "minimum": 0}
 _RATE: Schema = {"type": "number", "exclusiveMinimum": 0}
+_LABEL: Schema = {
+    "type": "string",
+    "pattern": LABEL_PATTERN,
+    "description": "extension: a site or zone label",
+}
+_NULLABLE_LABEL: Schema = {**_LABEL, "type": ["string", "null"]}
 _OPAQUE: Schema = {"type": ["string", "null"], "maxLength": 1024}
 _UUID: Schema = {"type": "string", "format": "uuid"}
 _NAME: Schema = {"type": "string", "pattern": "^[A-Za-z0-9._~-]{1,128}$"}
@@ -131,6 +138,8 @@ SCHEMAS: dict[str, Schema] = {
             "residency": _array(_ref("Residency"), min_items=1),
             "moqt_namespace": {"type": "string", "pattern": "^[A-Za-z0-9_-]*$"},
             "lease_base": _ref("HttpUri"),
+            "site": _LABEL,
+            "zone": _LABEL,
         },
     ),
     "TtlAnswer": _object({"ttl_ms": _uint()}),
@@ -180,7 +189,16 @@ SCHEMAS: dict[str, Schema] = {
             "links": _array(_ref("Link")),
             "ttl_ms": _uint(),
         },
-        {"requested_state": {"enum": [None, str(InstanceState.SLEEPING)]}},
+        {
+            "requested_state": {"enum": [None, str(InstanceState.SLEEPING)]},
+            "site": _LABEL,
+            "zone": _LABEL,
+            "relay": {
+                "type": "string",
+                "pattern": f"^moqt(\\+(tls|tcp|unix))?://{_URI_CHARS}",
+                "description": "extension: the instance's edge relay",
+            },
+        },
     ),
     "StateAnswer": _object({"state": _STATE}),
     "InstanceView": _object(
@@ -199,7 +217,8 @@ SCHEMAS: dict[str, Schema] = {
             "age_ms": {"type": "integer"},
             "ttl_ms": _uint(),
             "mean_service_us": {"type": ["number", "null"]},
-        }
+        },
+        {"site": _NULLABLE_LABEL, "zone": _NULLABLE_LABEL},
     ),
     "InstanceList": _object({"instances": _array(_ref("InstanceView"))}),
     "PlaceRequest": _object(

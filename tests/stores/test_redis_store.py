@@ -129,7 +129,7 @@ def test_compact_form_covers_every_member_of_a_record() -> None:
     # A member added to ReplicaRecord must be added to the compact form too: fail until it is.
     known = {"block_key", "compat_id", "scope_id", "holder", "codec", "size", "digest"}
     known |= {"layer_digests", "residency", "ttl_ms", "moqt_namespace", "lease_base"}
-    known |= {"moqt_carriers"}
+    known |= {"moqt_carriers", "site", "zone"}
     assert {f.name for f in dataclasses.fields(ReplicaRecord)} == known
 
 

@@ -32,8 +32,13 @@ from kvsp.compat import compat_id
 from kvsp.engine.toy import ToyEngine, toy_descriptor
 from kvsp.ids import BlockKey, uri_id
 from kvsp.keys import block_keys, scope_id
-from kvsp.placement import PlacementDecision, ServiceTimeEstimator, choose_instance
-from kvsp.records import InstanceStatusRecord, Link, ReplicaRecord
+from kvsp.placement import (
+    AssumedLink,
+    PlacementDecision,
+    ServiceTimeEstimator,
+    choose_instance,
+)
+from kvsp.records import InstanceStatusRecord, ReplicaRecord
 from kvsp.registries import InstanceState
 from kvsp.services.pc.service import PCConfig
 from kvsp.web.auth import principal_entry, write_principals
@@ -432,30 +437,18 @@ class Cluster:
         instances' status records, and the PC's state, load and service times in ``rows``."""
         found = self.lookup(keys_of(prompt))
         replicas = [[ReplicaRecord.from_json(r) for r in rs] for rs in found["replicas"]]
-        holders = {r.holder for r in replicas[0]} if replicas else set()
         candidates = []
         for name in self.instance_names:
             row = rows.get(self.url(name))
             if row is None or row["state"] != "active" or not self.alive(name):
                 continue
             record = InstanceStatusRecord.from_json(self.status(name))
-            # The PC assumes a link rate to holders an instance has not measured (PCConfig).
-            known = {link.holder for link in record.links} | {record.instance}
-            assumed = tuple(
-                Link(
-                    holder=h,
-                    mbit_per_s=PC_DEFAULTS.assumed_link_mbit_per_s,
-                    rtt_us=PC_DEFAULTS.assumed_link_rtt_us,
-                )
-                for h in sorted(holders - known)
-            )
             candidates.append(
                 dataclasses.replace(
                     record,
                     state=InstanceState.ACTIVE,
                     running=row["running"],
                     queued=row["queued"],
-                    links=record.links + assumed,
                 )
             )
         return choose_instance(
@@ -465,6 +458,11 @@ class Cluster:
             prompt_tokens=len(prompt),
             service_times=PCServiceTimes(rows, SERVICE_PRIOR_US),
             layers=DESCRIPTOR.layers,
+            # The PC assumes a link rate to same-site holders an instance has not measured.
+            assumed=AssumedLink(
+                mbit_per_s=PC_DEFAULTS.assumed_link_mbit_per_s,
+                rtt_us=PC_DEFAULTS.assumed_link_rtt_us,
+            ),
         )
 
     def place_as_formula(

@@ -83,6 +83,7 @@ from kvsp.web.problems import install_problem_handlers, kvsp_json
 from kvsp.web.responses import PartsResponse
 from kvsp.web.roles import install_roles
 from kvsp.web.runner import ServeConfig, serve_async
+from kvsp.web.sites import add_site_arguments, site_labels
 
 BLOCK_MEDIA_TYPE = "application/kvsp-block"
 PUT_MEDIA_TYPES = frozenset({BLOCK_MEDIA_TYPE, "application/octet-stream"})
@@ -285,6 +286,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--index", metavar="URL", help="the Index Service to publish at (default: standalone)")
     add("--index-token-file", type=Path, metavar="FILE", help="bearer token for the IS")
     add("--public-url", metavar="URL", help="base URL named in records (default: its own)")
+    add_site_arguments(parser)
     add(
         "--tier",
         type=_tier_size,
@@ -352,7 +354,8 @@ def holder_config(args: argparse.Namespace) -> HolderConfig:
     """The :class:`HolderConfig` the options describe.
 
     Raises:
-        BadRequest: a tier given twice, or a public URL without a trailing ``/``.
+        BadRequest: a tier given twice, a public URL without a trailing ``/``, or ``--zone``
+            without ``--site``.
     """
     tiers: dict[Tier, int] = {}
     for tier, size in args.tier:
@@ -367,6 +370,7 @@ def holder_config(args: argparse.Namespace) -> HolderConfig:
     per_client = args.lease_max_octets
     if per_client is None:
         per_client = max(1, sum(tiers.values()) // CLIENT_SHARE)
+    labels = site_labels(args)
     return HolderConfig(
         public_url=args.public_url,
         tiers=tiers,
@@ -379,6 +383,8 @@ def holder_config(args: argparse.Namespace) -> HolderConfig:
             max_leases_per_client=args.lease_max_count,
         ),
         body_limit=args.body_limit,
+        site=labels.site,
+        zone=labels.zone,
     )
 
 

@@ -152,6 +152,10 @@ class HolderConfig:
     digest_cache: int = 64
     """How many sub-range Repr-Digests to remember."""
     fsync: bool = True
+    site: str | None = None
+    """The ``site`` label its records carry (spec §4.4 extension member; ``--site``)."""
+    zone: str | None = None
+    """The ``zone`` label its records carry (``--zone``)."""
 
     @property
     def capacity(self) -> int:
@@ -336,6 +340,8 @@ class Holder:
             layer_digests=meta.layer_digests,
             residency=(residency,),
             ttl_ms=self.config.record_ttl_ms,
+            site=self.config.site,
+            zone=self.config.zone,
         )
 
     async def _publish(self, block: StoredBlock) -> int:

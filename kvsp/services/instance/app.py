@@ -97,6 +97,7 @@ from kvsp.web.metrics import arrival
 from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
 from kvsp.web.roles import install_roles
 from kvsp.web.runner import ServeConfig, serve_async
+from kvsp.web.sites import add_site_arguments, site_labels
 
 _log = logging.getLogger("kvsp.instance")
 
@@ -385,6 +386,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--kv-dtype", default="fp32", metavar="T", help="KV element type (reference; fp32)")
     add("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute (reference)")
     add("--public-url", metavar="URL", help="base URL it is known by (default: its own)")
+    add_site_arguments(parser)
     add("--status-ttl-ms", type=positive_int, default=d.status_ttl_ms, metavar="MS")
     add("--batch-size", type=positive_int, default=d.batch_size, metavar="N")
     add("--prefetch-concurrency", type=positive_int, default=d.prefetch_concurrency)
@@ -531,10 +533,12 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
     """The :class:`InstanceConfig` the options describe.
 
     Raises:
-        BadRequest: unreadable scope key files or a public URL without a trailing ``/``.
+        BadRequest: unreadable scope key files, a public URL without a trailing ``/``, or
+            ``--zone`` without ``--site``.
     """
     if args.public_url is not None and not args.public_url.endswith("/"):
         raise BadRequest("--public-url must end in '/'")
+    labels = site_labels(args)
     return InstanceConfig(
         public_url=args.public_url,
         status_ttl_ms=args.status_ttl_ms,
@@ -548,6 +552,9 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
         sleep_after_ms=args.sleep_after_ms,
         state_dir=args.state,
         scope_keys=_scope_keys(args.scope_key_file),
+        site=labels.site,
+        zone=labels.zone,
+        relay=args.relay,
     )
 
 
@@ -653,6 +660,8 @@ def run(args: argparse.Namespace) -> int:
         tiers=tiers,
         state_dir=args.state,
         record_ttl_ms=args.record_ttl_ms,
+        site=config.site,
+        zone=config.zone,
     )
     engine = make_engine(args)
     registry = DescriptorRegistry()

@@ -67,7 +67,7 @@ from kvsp.errors import (
 from kvsp.ids import BlockKey, ScopeId
 from kvsp.keys import block_keys
 from kvsp.lifecycle import check_transition
-from kvsp.prefetch import DirectiveBook, DirectiveProgress, LinkMeter
+from kvsp.prefetch import DirectiveBook, DirectiveProgress, LinkMeter, through_relay
 from kvsp.records import (
     DirectiveBlock,
     InstanceStatusRecord,
@@ -80,7 +80,12 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.holder import Holder
-from kvsp.services.instance.pipeline import LeaseBatcher, ReplicaBatcher, TransferBudget
+from kvsp.services.instance.pipeline import (
+    LeaseBatcher,
+    LeaseHold,
+    ReplicaBatcher,
+    TransferBudget,
+)
 from kvsp.stores.blocks import BlockRef, StoredBlock
 from kvsp.transfer.block_client import BlockClient, lease_base, source_base
 from kvsp.transfer.verify import VerifiedBlock
@@ -180,6 +185,13 @@ class InstanceConfig:
     """Scope ID → scope key, for requests that name a scope instead of carrying its key."""
     warmup_tokens: int = 64
     status_loop: bool = True
+    site: str | None = None
+    """The ``site`` label of its status record (spec §4.4 extension member; ``--site``)."""
+    zone: str | None = None
+    """The ``zone`` label of its status record (``--zone``)."""
+    relay: str | None = None
+    """Its edge relay's URI (``--relay``), carried as ``relay`` in its status record so that
+    the PC can name the relay as the source of blocks the instance cannot reach elsewhere."""
 
 
 @dataclass(slots=True)
@@ -194,6 +206,12 @@ def _log_failed_fetch(ref: BlockRef, source: str, stage: str, exc: KVSPError) ->
     _log.warning(
         "block %s: %s at %s failed: %s: %s", ref.key.hex()[:16], stage, source, exc.problem, exc
     )
+
+
+def _log_no_record(ref: BlockRef, source: str) -> None:
+    """A directive's source without a Replica Record at the IS (withdrawn or expired since the
+    PC planned, §6.1): the next source is tried."""
+    _log.warning("block %s: %s has no replica record at the IS", ref.key.hex()[:16], source)
 
 
 def _base(uri: str) -> str:
@@ -294,6 +312,8 @@ class InstanceAgent:
         self._principal = Principal(name="instance", roles=frozenset({"instance"}), scopes=None)
         self._failure_listeners: list[Callable[[], None]] = []
         self._registered_ms: int | None = None  # the PC last took a status record
+        self._relay_base = None if config.relay is None else _base(config.relay)
+        """Its relay as a directive source (blocks it does not hold yet: :func:`through_relay`)."""
         self.leases = LeaseBatcher(block_client, self.links)
         self.unvouched_records = 0
         """Records refused because their ``lease_base`` was not on their holder's origin."""
@@ -416,6 +436,9 @@ class InstanceAgent:
             links=self.links.links(),
             requested_state=self._requested_state(self.clock.now_ms()),
             ttl_ms=self.config.status_ttl_ms,
+            site=self.config.site,
+            zone=self.config.zone,
+            relay=self.config.relay,
         )
 
     async def report_status(self) -> StateAnswer:
@@ -793,9 +816,32 @@ class InstanceAgent:
                 for record in records:
                     with contextlib.suppress(UnsupportedHolder):
                         out[(key, source_base(record))] = record
+                self._add_relay_record(out, key, records)
             if answer.matched < len(chunk):
                 break  # chained keys: nothing after a miss is findable
         return out
+
+    def _add_relay_record(
+        self,
+        out: dict[tuple[BlockKey, str], ReplicaRecord],
+        key: BlockKey,
+        records: Sequence[ReplicaRecord],
+    ) -> None:
+        """With a relay and no record of its copy of ``key``, the record it would serve the
+        block by (:func:`~kvsp.prefetch.through_relay`), from the first record that allows one."""
+        relay = self._relay_base
+        if relay is None or (key, relay) in out:
+            return
+        for record in records:
+            derived = through_relay(record, relay)
+            if derived is not None:
+                out[(key, relay)] = derived
+                return
+
+    def _unleased(self, base: str, record: ReplicaRecord) -> bool:
+        """Whether ``record`` is its relay's copy of a block it does not hold yet: nothing to
+        lease there, the FETCH passes through to the block's publisher (§6.1: a miss is a miss)."""
+        return base == self._relay_base and record.lease_base is None
 
     def _ticket(
         self,
@@ -852,10 +898,14 @@ class InstanceAgent:
                 base = _base(source)
                 record = records.get((ref.key, base))
                 if record is None:
+                    _log_no_record(ref, base)
                     reasons.append(f"{base}: no replica record")
                     continue
                 try:
-                    block = await self._fetch(ref, base, record, lease_ms)
+                    if self._unleased(base, record):
+                        block = await self._get(base, record)
+                    else:
+                        block = await self._fetch(ref, base, record, lease_ms)
                 except KVSPError as exc:
                     _log_failed_fetch(ref, base, "lease and GET", exc)
                     reasons.append(f"{base}: {exc.problem}")
@@ -885,29 +935,28 @@ class InstanceAgent:
                 base = _base(source)
                 record = records.get((ref.key, base))
                 if record is None:
+                    _log_no_record(ref, base)
                     reasons.append(f"{base}: no replica record")
                     continue
-                try:
-                    lease_at = self._lease_at(record)
-                    hold = await self.leases.acquire(lease_at, base, ref, record.size, lease_ms)
-                except KVSPError as exc:
-                    _log_failed_fetch(ref, base, "lease", exc)
-                    reasons.append(f"{base}: {exc.problem}")
-                    continue
+                hold: LeaseHold | None = None
+                if not self._unleased(base, record):
+                    try:
+                        lease_at = self._lease_at(record)
+                        hold = await self.leases.acquire(lease_at, base, ref, record.size, lease_ms)
+                    except KVSPError as exc:
+                        _log_failed_fetch(ref, base, "lease", exc)
+                        reasons.append(f"{base}: {exc.problem}")
+                        continue
                 try:
                     async with self._pipe_transfers.take(record.size):
-                        began = time.perf_counter()
-                        block = await self.block_client.get_block(
-                            base, record, geometry=self.geometry
-                        )
-                        octets = sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
-                        self.links.record_transfer(base, octets, time.perf_counter() - began)
+                        block = await self._get(base, record)
                 except KVSPError as exc:
                     _log_failed_fetch(ref, base, "GET", exc)
                     reasons.append(f"{base}: {exc.problem}")
                     continue
                 finally:
-                    hold.release()
+                    if hold is not None:
+                        hold.release()
                 held = self.engine.hold(ref.key, block)
                 stored = await self._keep(ref, block)
                 if stored is None:
@@ -963,16 +1012,26 @@ class InstanceAgent:
         grant = await self.block_client.acquire_lease(lease_at, request)
         self.links.record_rtt(base, time.perf_counter() - began)
         try:
-            began = time.perf_counter()
-            block = await self.block_client.get_block(base, record, geometry=self.geometry)
-            octets = sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
-            self.links.record_transfer(base, octets, time.perf_counter() - began)
-            return block
+            return await self._get(base, record)
         finally:
             try:
                 await self.block_client.release_lease(lease_at, grant.lease)
             except KVSPError as exc:
                 _log.debug("releasing lease %s at %s: %s", grant.lease, lease_at, exc)
+
+    async def _get(self, base: str, record: ReplicaRecord) -> VerifiedBlock:
+        """GET (or FETCH) and verify the record's block at ``base``, timing it for ``links``.
+
+        A copy fetched through the relay unleased has no lease request to time the round trip
+        by; the whole FETCH bounds it from above and stands in for it."""
+        began = time.perf_counter()
+        block = await self.block_client.get_block(base, record, geometry=self.geometry)
+        seconds = time.perf_counter() - began
+        octets = sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
+        if self._unleased(base, record):
+            self.links.record_rtt(base, seconds)
+        self.links.record_transfer(base, octets, seconds)
+        return block
 
     async def _place(self, ref: BlockRef, block: VerifiedBlock) -> bool:
         """Keep a verified block in the engine and in the holder's tiers, publishing it."""

@@ -56,7 +56,7 @@ from kvsp.errors import (
 )
 from kvsp.index import holder_id_of
 from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS, InstanceRegistry, check_transition
-from kvsp.placement import PlacementDecision, choose_instance
+from kvsp.placement import AssumedLink, PlacementDecision, choose_instance
 from kvsp.placement_plan import (
     DirectiveOptions,
     ObservedServiceTimes,
@@ -65,7 +65,6 @@ from kvsp.placement_plan import (
 )
 from kvsp.records import (
     InstanceStatusRecord,
-    Link,
     LookupRequest,
     PlaceRequest,
     PlaceResponse,
@@ -112,8 +111,8 @@ class PCConfig:
     retry_after_s: int = 1
     max_epoch_skew_ms: int = DEFAULT_MAX_EPOCH_SKEW_MS
     assumed_link_mbit_per_s: float = 10_000.0
-    """Link rate assumed for a holder of the prompt's first block to which an instance has not
-    reported a link (0: none).
+    """Link rate assumed from an instance to a holder in its own site, or to its relay, to which
+    it has not reported a link (0: none; :class:`~kvsp.placement.AssumedLink`).
 
     Instances report only links they measured, and they measure a link by fetching over it, so
     without an assumption no directive would ever reach a fresh instance. The instance's own
@@ -240,9 +239,12 @@ class InstanceView:
     age_ms: int
     ttl_ms: int
     mean_service_us: float | None
+    site: str | None = None
+    zone: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Render as JSON (``instance_id`` is the path segment naming the instance)."""
+        """Render as JSON (``instance_id`` is the path segment naming the instance; ``site``
+        and ``zone`` as the instance reports them, ``null`` when it has none)."""
         return {
             "instance": self.instance,
             "instance_id": holder_id_of(self.instance).hex(),
@@ -258,6 +260,8 @@ class InstanceView:
             "age_ms": self.age_ms,
             "ttl_ms": self.ttl_ms,
             "mean_service_us": self.mean_service_us,
+            "site": self.site,
+            "zone": self.zone,
         }
 
 
@@ -412,6 +416,8 @@ class PlacementController:
                     mean_service_us=(
                         self.service_times.mean_us(entry.instance) if measured else None
                     ),
+                    site=record.site,
+                    zone=record.zone,
                 )
             )
         return views
@@ -540,11 +546,6 @@ class PlacementController:
             for r in self.registry.active_instances(self._clock.now_ms())
             if r.instance not in excluded
         ]
-        if self.config.assumed_link_mbit_per_s > 0 and replicas:
-            # Only the holders of the first block: a usable prefix starts there, and assuming
-            # links to every holder would multiply the work of choose_instance per instance.
-            holders = {replica.holder for replica in replicas[0]}
-            candidates = [self._with_assumed_links(r, holders) for r in candidates]
         return choose_instance(
             candidates,
             replicas,
@@ -554,24 +555,18 @@ class PlacementController:
             layers=geometry.layers,
             max_cost_us=self.config.max_cost_us,
             queue_limit=self.config.queue_limit,
+            assumed=self._with_assumed_links(),
         )
 
-    def _with_assumed_links(
-        self, record: InstanceStatusRecord, holders: set[str]
-    ) -> InstanceStatusRecord:
-        known = {link.holder for link in record.links}
-        missing = sorted(holders - known - {record.instance})
-        if not missing:
-            return record
-        assumed = tuple(
-            Link(
-                holder=holder,
-                mbit_per_s=self.config.assumed_link_mbit_per_s,
-                rtt_us=self.config.assumed_link_rtt_us,
-            )
-            for holder in missing
+    def _with_assumed_links(self) -> AssumedLink | None:
+        """The link assumed from an instance to a source it may use but has not measured (a
+        holder in its site, its relay; :class:`~kvsp.placement.SourceView`), if any."""
+        if self.config.assumed_link_mbit_per_s <= 0:
+            return None
+        return AssumedLink(
+            mbit_per_s=self.config.assumed_link_mbit_per_s,
+            rtt_us=self.config.assumed_link_rtt_us,
         )
-        return dataclasses.replace(record, links=record.links + assumed)
 
     def _timing(self, options: DirectiveOptions) -> tuple[int, int]:
         deadline = self.config.deadline_ms if options.deadline_ms is None else options.deadline_ms
@@ -598,6 +593,7 @@ class PlacementController:
             status=entry.record,
             deadline_ms=deadline,
             lease_ms=lease,
+            assumed=self._with_assumed_links(),
         )
         if directive is not None:
             # §6.3 MUST NOT direct a non-active instance: the decision was taken from the

@@ -66,6 +66,7 @@ from kvsp.web.cliargs import (
     trust_from_args,
 )
 from kvsp.web.clock import SystemClock
+from kvsp.web.failover import add_url_list_argument
 from kvsp.web.runner import write_ready_file
 from kvsp.web.trust import Trust
 from moqt.backend import (
@@ -135,7 +136,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--upstream-token-file", type=Path, metavar="FILE", help="token for the upstream relay")
     add("--upstream-cafile", type=Path, metavar="PEM", help="deprecated alias of --cafile")
     add("--upstream-insecure", action="store_true", help="deprecated alias of --insecure")
-    add("--index", metavar="URL", help="Index Service to publish Replica Records at")
+    add_url_list_argument(parser, "--index", help="Index Service to publish Replica Records at")
     add("--token-file", type=Path, metavar="FILE", help="file holding the IS token")
     add("--public-url", metavar="URL", help="moqt:// URI named in records (default: its own)")
     add(

@@ -288,8 +288,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _add_generate_command(sub: Any) -> None:
     """Add ``kvsp generate``: place a session through the PC and print its tokens as they
     come, following it across instance failures (§6.8)."""
+    from kvsp.web.failover import add_url_list_argument
+
     p = sub.add_parser("generate", help="generate through the PC, surviving instance failures")
-    p.add_argument("--pc", required=True, metavar="URL", help="the PC (or kvsp serve control)")
+    add_url_list_argument(p, "--pc", required=True, help="the PC (or kvsp serve control)")
     p.add_argument("--token-file", required=True, type=Path, metavar="FILE")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--descriptor", metavar="D.json", help="the Compatibility Descriptor")

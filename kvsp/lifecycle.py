@@ -46,7 +46,10 @@ from typing import Final, Generic, Literal, Protocol, TypeVar
 from kvsp.errors import BadRequest, IllegalTransition, NotFound, StaleEpoch
 from kvsp.registries import InstanceState
 
-Actor = Literal["pc", "instance", "expiry"]
+Actor = Literal["pc", "instance", "expiry", "shutdown"]
+"""Who makes a move: the PC (or an operator through it), the instance on its own, the record's
+expiry, or the instance leaving (SIGTERM), which may only drain itself so that no new work
+reaches it; "instance" moves are also what the PC takes as a record's lag, "shutdown" never."""
 
 DEFAULT_MAX_EPOCH_SKEW_MS: Final = 60_000
 """How far an epoch may be ahead of the receiver's clock (ms): one minute, far above the skew
@@ -76,7 +79,7 @@ def is_poisoned(stored_epoch: int, now_ms: int, max_skew_ms: int) -> bool:
 
 
 TRANSITIONS: Final[Mapping[tuple[InstanceState, InstanceState], frozenset[Actor]]] = {
-    (InstanceState.ACTIVE, InstanceState.DRAINING): frozenset({"pc"}),
+    (InstanceState.ACTIVE, InstanceState.DRAINING): frozenset({"pc", "shutdown"}),
     (InstanceState.DRAINING, InstanceState.ACTIVE): frozenset({"pc"}),
     (InstanceState.DRAINING, InstanceState.SLEEPING): frozenset({"instance"}),
     (InstanceState.SLEEPING, InstanceState.ACTIVE): frozenset({"pc"}),
@@ -309,7 +312,8 @@ class InstanceRegistry(Generic[R]):
             reported is old or _allowed(old, reported, "instance") for old in entry.unapplied_from
         ):
             return entry.state, entry.unapplied_from  # lag: it has not seen the change yet
-        check_transition(entry.state, reported, by="instance")
+        if not _allowed(entry.state, reported, "shutdown"):  # an instance leaving drains itself
+            check_transition(entry.state, reported, by="instance")
         return reported, frozenset()
 
     def set_state(self, instance: str, dst: InstanceState, now_ms: int) -> InstanceState:

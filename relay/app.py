@@ -82,6 +82,7 @@ from kvsp.web.cliargs import (
 )
 from kvsp.web.clock import SystemClock
 from kvsp.web.config_file import ConfigArgumentParser
+from kvsp.web.failover import add_url_list_argument
 from kvsp.web.runner import write_ready_file
 from kvsp.web.sites import add_site_arguments, site_labels
 from kvsp.web.trust import Trust
@@ -169,7 +170,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     # deprecated aliases of --cafile/--insecure, read by trust_from_args
     add("--upstream-cafile", type=Path, metavar="PEM", help=argparse.SUPPRESS)
     add("--upstream-insecure", action="store_true", help=argparse.SUPPRESS)
-    add("--index", metavar="URL", help="Index Service to publish Replica Records at")
+    add_url_list_argument(parser, "--index", help="Index Service to publish Replica Records at")
     token = add(
         "--index-token-file",
         type=Path,
@@ -356,7 +357,7 @@ class IndexRefused(Exception):
     passes."""
 
 
-async def check_index(index: IndexClient, url: str) -> None:
+async def check_index(index: IndexClient) -> None:
     """Ask the IS one cheap authenticated question (``GET descriptors/{compat}`` for an id
     nobody registers, which every relay or holder token may read): any answer but 401 or 403
     shows that the IS is there and takes the token.
@@ -368,15 +369,16 @@ async def check_index(index: IndexClient, url: str) -> None:
     try:
         await index.get_descriptor(_PROBE_COMPAT)
     except NotFound:
+        _log.info("the Index Service at %s answers and takes the token", index.base_url)
         return
     except (Unauthorized, Forbidden) as exc:
-        raise IndexRefused(_refusal(url, exc.status, exc)) from None
+        raise IndexRefused(_refusal(index.base_url, exc.status, exc)) from None
     except RemoteError as exc:
         if exc.remote_status in (401, 403):
-            raise IndexRefused(_refusal(url, exc.remote_status, exc)) from None
+            raise IndexRefused(_refusal(index.base_url, exc.remote_status, exc)) from None
         if exc.remote_status >= 500:
             raise
-    _log.info("the Index Service at %s answers and takes the token", url)
+    _log.info("the Index Service at %s answers and takes the token", index.base_url)
 
 
 def _refusal(url: str, status: int, exc: KVSPError) -> str:
@@ -386,21 +388,21 @@ def _refusal(url: str, status: int, exc: KVSPError) -> str:
     )
 
 
-async def watch_index(index: IndexClient, url: str, refused: list[IndexRefused]) -> None:
+async def watch_index(index: IndexClient, refused: list[IndexRefused]) -> None:
     """Check an IS that did not answer at start again, waiting longer each time
     (:data:`INDEX_RETRY_S`), until it answers; a refusal then is put in ``refused``."""
     delay = INDEX_RETRY_S[0]
     while True:
         await asyncio.sleep(delay)
         try:
-            await check_index(index, url)
+            await check_index(index)
         except IndexRefused as exc:
             _log.error("%s", exc)
             refused.append(exc)
             return
         except KVSPError as exc:
             delay = min(delay * 2, INDEX_RETRY_S[1])
-            _log.warning("the Index Service at %s does not answer yet: %s", url, exc)
+            _log.warning("the Index Service at %s does not answer yet: %s", index.base_url, exc)
             continue
         return
 
@@ -426,15 +428,15 @@ async def _serve(
         if args.index is not None:
             index = await stack.enter_async_context(IndexClient(args.index, token, trust=trust))
             try:
-                await check_index(index, args.index)  # IndexRefused: ends the relay at once
+                await check_index(index)  # IndexRefused: ends the relay at once
             except KVSPError as exc:
                 _log.warning(
                     "the Index Service at %s does not answer (%s): serving, and publishing "
                     "once it does",
-                    args.index,
+                    ", ".join(args.index),
                     exc,
                 )
-                watch = asyncio.create_task(watch_index(index, args.index, refused))
+                watch = asyncio.create_task(watch_index(index, refused))
                 watch.add_done_callback(lambda _t: stop.set() if refused else None)
                 stack.callback(watch.cancel)
         holder = RelayHolder(holder_config, clock, index)

@@ -24,11 +24,12 @@ A, D, S, F = (
     InstanceState.FAILED,
 )
 I7, I9 = "https://ii7.example/kvsp/", "https://ii9.example/kvsp/"
-ACTORS: tuple[Actor, ...] = ("pc", "instance", "expiry")
+ACTORS: tuple[Actor, ...] = ("pc", "instance", "expiry", "shutdown")
 
 # Written out independently of the module's table.
 LEGAL = {
     (A, D, "pc"),  # the PC accepts a sleep request, or an operator drains
+    (A, D, "shutdown"),  # an instance told to stop (SIGTERM) drains itself first
     (D, A, "pc"),  # an operator cancels the drain
     (D, S, "instance"),  # idle after draining, the instance reports sleeping
     (S, A, "pc"),  # only the PC wakes a sleeping instance

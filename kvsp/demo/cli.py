@@ -99,7 +99,9 @@ def add_demo_commands(sub: Any) -> None:
     p.set_defaults(handler=_cmd_up)
     p = sub.add_parser("status", help="print a running cluster's instances, replicas, sessions")
     _state_arg(p)
-    p.add_argument("--pc", metavar="URL", help="a control plane (IS + PC) instead of --state")
+    from kvsp.web.failover import add_url_list_argument
+
+    add_url_list_argument(p, "--pc", help="a control plane (IS + PC) instead of --state")
     p.add_argument("--token-file", type=Path, metavar="FILE", help="its token (with --pc)")
     p.set_defaults(handler=_cmd_status)
     p = sub.add_parser(

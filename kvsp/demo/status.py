@@ -3,7 +3,8 @@ replicas, §6.8 sessions; DESIGN.md §3 resource table).
 
 It reads the endpoints from a state folder's ``cluster.json`` (written by ``kvsp up`` and
 ``kvsp demo`` while they run) with the folder's ``admin.token``, or takes ``--pc URL`` and
-``--token-file`` for any control plane. Tables:
+``--token-file`` for any control plane (several ``--pc`` URLs: the first that answers is
+asked, as :mod:`kvsp.web.failover` does). Tables:
 
 * instances: ``GET instances`` at the PC: state, the state last reported, load, epoch;
 * replicas per holder, the holder list: ``GET replicas`` at the IS (every holder with a live
@@ -17,6 +18,7 @@ significant digits, so an instance holding a few blocks of a large cache does no
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,8 @@ class Target:
     token: str
     names: dict[str, str]
     endpoints: Endpoints | None = None
+    alternates: tuple[str, ...] = ()
+    """More URLs of the same control plane, asked in order when ``control`` does not answer."""
 
 
 def target_from_state(state: Path) -> Target:
@@ -63,19 +67,27 @@ def target_from_state(state: Path) -> Target:
     return Target(endpoints.control, files.read_token("admin"), names, endpoints)
 
 
-def target_from_options(pc: str, token_file: Path) -> Target:
-    """The control plane at ``pc`` with the token in ``token_file``.
+def target_from_options(pc: str | Sequence[str], token_file: Path) -> Target:
+    """The control plane at ``pc`` (one URL or several of the same control plane) with the
+    token in ``token_file``.
 
     Raises:
-        ClusterError: the token file is unreadable or empty.
+        ClusterError: the token file is unreadable or empty, or no URL is given.
     """
+    from kvsp.errors import BadRequest
+    from kvsp.web.failover import url_list
+
+    try:
+        urls = url_list(pc)
+    except BadRequest as exc:
+        raise ClusterError(f"--pc: {exc}") from None
     try:
         token = token_file.read_text(encoding="utf-8").strip()
     except OSError as exc:
         raise ClusterError(f"cannot read --token-file {token_file}: {exc.strerror}") from None
     if not token:
         raise ClusterError(f"--token-file {token_file} is empty")
-    return Target(pc if pc.endswith("/") else pc + "/", token, {})
+    return Target(urls[0], token, {}, alternates=urls[1:])
 
 
 def print_status(console: Console, target: Target) -> int:
@@ -85,19 +97,28 @@ def print_status(console: Console, target: Target) -> int:
         ClusterError: the control plane refused the token.
     """
     headers = {"authorization": f"Bearer {target.token}"}
-    with httpx.Client(base_url=target.control, headers=headers, timeout=10) as http:
-        try:
-            listed = http.get("instances")
-        except httpx.TransportError as exc:
-            console.line(f"the control plane at {target.control} does not answer: {exc}")
-            return 1
-        if listed.status_code in (401, 403):
-            raise ClusterError(f"the control plane refused the token ({listed.status_code})")
-        if target.endpoints is not None:
-            _endpoints(console, target.endpoints)
-        _instances(console, target, listed)
-        print_replicas(console, target.names, http.get("replicas"))
-        _sessions(console, target.names, http.get("sessions"))
+    for url in (target.control, *target.alternates):
+        with httpx.Client(base_url=url, headers=headers, timeout=10) as http:
+            try:
+                listed = http.get("instances")
+            except httpx.TransportError as exc:
+                console.line(f"the control plane at {url} does not answer: {exc}")
+                continue
+            return _print_tables(console, target, http, listed)
+    return 1
+
+
+def _print_tables(
+    console: Console, target: Target, http: httpx.Client, listed: httpx.Response
+) -> int:
+    """The tables, from the control plane that answered ``GET instances`` with ``listed``."""
+    if listed.status_code in (401, 403):
+        raise ClusterError(f"the control plane refused the token ({listed.status_code})")
+    if target.endpoints is not None:
+        _endpoints(console, target.endpoints)
+    _instances(console, target, listed)
+    print_replicas(console, target.names, http.get("replicas"))
+    _sessions(console, target.names, http.get("sessions"))
     return 0
 
 

@@ -16,6 +16,10 @@ yields one gap-free, duplicate-free stream of :class:`Token`:
   checkpoint, so the PC had nothing to resume) is started over as a new session, at most
   ``restarts`` times; one that failed later raises :class:`~kvsp.errors.SessionFailed`.
 
+Given several PC URLs (PCs on one store), every request to the PC fails over between them
+(:mod:`kvsp.web.failover`): a PC that dies mid-generation costs nothing while the stream runs,
+and the next question about the session goes to the next PC.
+
 The stream of a frozen instance does not break: it stalls. Only the PC knows whether the
 session moved, so a stall is answered by asking it, and the old stream is dropped once the PC
 names a later epoch; anything that old instance sends afterwards never reaches the caller.
@@ -139,6 +143,9 @@ class _Stream:
 class FrontEnd:
     """Generation through the PC with failover (see the module docstring).
 
+    ``pc_url`` is the PC's base URL, or several of PCs sharing one store: requests to the PC
+    fail over between them (:mod:`kvsp.web.failover`), so a session placed through a PC that
+    died is followed through the next (its state is in the shared store, §6.8).
     ``scope_key`` lets it compute the prompt's Block Keys (§4.2) so placement can find cached
     blocks; without it the request is placed by its length alone. The instances must know the
     scope key themselves (``--scope-key-file``): the request names the scope by ``scope_id``.
@@ -146,7 +153,7 @@ class FrontEnd:
 
     def __init__(
         self,
-        pc_url: str,
+        pc_url: str | Sequence[str],
         token: str | None,
         *,
         scope_id: ScopeId,
@@ -479,7 +486,9 @@ def _sampler_of(args: argparse.Namespace) -> dict[str, Any]:
     return sampler
 
 
-async def _model(args: argparse.Namespace, pc: str, token: str) -> tuple[CompatId, int]:
+async def _model(
+    args: argparse.Namespace, pc: str | Sequence[str], token: str
+) -> tuple[CompatId, int]:
     if args.descriptor is not None:
         descriptor = read_descriptor_file(args.descriptor)
         return compat_id(descriptor), descriptor.block_tokens
@@ -541,6 +550,7 @@ def _report(fe: FrontEnd, ttft_s: float | None) -> None:
         "TTFT": "no token" if ttft_s is None else f"{1000 * ttft_s:.1f} ms",
         "session": stats.sessions[-1] if stats.sessions else "none",
         "failovers": stats.moves,
+        "PC failovers": fe.pc.failover.failovers,
         "restarts": stats.restarted,
         "dropped tokens": f"{stats.stale} stale, {stats.duplicates} duplicate",
     }

@@ -17,11 +17,16 @@ with ``Authorization: Bearer``, and turns every failure into a :class:`~kvsp.err
 
 The two 502 problem names are ours (DESIGN §3 lists the others): a service that lets either
 propagate answers its own client "Bad gateway", which is what happened.
+
+A client may be given several base URLs of one service (several control planes on one store):
+each request fails over between them as :mod:`kvsp.web.failover` describes; the methods named
+in :data:`RESENDABLE` (and the POSTs a subclass marks ``resend=True``) are the ones that may be
+sent again after an answer was lost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -31,6 +36,7 @@ from kvsp import errors
 from kvsp.audience import AudienceSigner, audience_credential, canonical_origin, origins
 from kvsp.errors import KVSPError, RecordError, RemoteError, TransportError
 from kvsp.records import loads
+from kvsp.web.failover import Failover
 from kvsp.web.problems import KVSP_JSON, PROBLEM_JSON, dumps_json
 from kvsp.web.trust import Trust
 
@@ -38,6 +44,10 @@ DEFAULT_TIMEOUT_S = 30.0
 """Seconds for any one read, write or pool wait; connecting gets at most 5 s."""
 
 T = TypeVar("T")
+
+RESENDABLE = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
+"""Methods whose request may be sent again, to the next URL, once it may have been received
+(HTTP's idempotent methods)."""
 
 
 _CLASSES: tuple[type[KVSPError], ...] = (
@@ -131,40 +141,55 @@ def error_from_problem(problem: object, status: int | None = None, raw: bytes = 
 class BaseClient:
     """An async KVSP client over one keep-alive ``httpx.AsyncClient`` (use ``async with``).
 
-    ``base_url`` is the service base (a trailing ``/`` is added if missing); paths are relative
-    to it. ``client`` lets a caller share a connection pool or route through an ASGI transport;
-    a client passed in is not closed here. ``trust`` is the process's one TLS trust setting
-    (:mod:`kvsp.web.trust`; default: the system trust store) for a client made here.
+    ``base_url`` is the service base (a trailing ``/`` is added if missing), or several bases
+    of the same service (a sequence, or comma-separated) that requests fail over between
+    (:mod:`kvsp.web.failover`); paths are relative to it. ``client`` lets a caller share a
+    connection pool or route through an ASGI transport; a client passed in is not closed here.
+    ``trust`` is the process's one TLS trust setting (:mod:`kvsp.web.trust`; default: the
+    system trust store) for a client made here. ``service`` names the peer in failover log
+    lines (default: the class's :attr:`service`).
 
     Only a client of the control plane (:attr:`control_plane`: the IS, the PC) sends ``token``
-    itself; any other service receives an audience credential for ``base_url``'s origin
-    (:mod:`kvsp.audience`), which opens nothing elsewhere.
+    itself, to each of its URLs; any other service receives an audience credential for the
+    origin of the URL the request goes to (:mod:`kvsp.audience`), which opens nothing
+    elsewhere.
     """
 
     accepted_types: ClassVar[str] = f"{KVSP_JSON}, {PROBLEM_JSON}"
     control_plane: ClassVar[bool] = False
     """Whether the peer is the IS or the PC, the only services that get the bearer token."""
+    service: ClassVar[str] = "service"
+    """The peer's name in failover log lines."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         token: str | None,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         client: httpx.AsyncClient | None = None,
         trust: Trust | None = None,
+        service: str | None = None,
     ) -> None:
-        self.base_url = base_url if base_url.endswith("/") else base_url + "/"
-        self._headers = {"accept": self.accepted_types}
-        if token is not None and self.control_plane:
-            self._headers["authorization"] = f"Bearer {token}"
-        elif token is not None:
-            self._headers["authorization"] = "Bearer " + audience_credential(token, self.base_url)
+        self.failover = Failover(base_url, service or self.service)
+        self._headers: dict[str, dict[str, str]] = {}
+        for url in self.failover.urls:
+            headers = {"accept": self.accepted_types}
+            if token is not None and self.control_plane:
+                headers["authorization"] = f"Bearer {token}"
+            elif token is not None:
+                headers["authorization"] = "Bearer " + audience_credential(token, url)
+            self._headers[url] = headers
         self._owns_client = client is None
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
             verify=True if trust is None else trust.ssl_context(),
         )
+
+    @property
+    def base_url(self) -> str:
+        """The base URL requests go to first now (the one that answered last)."""
+        return self.failover.current
 
     async def __aenter__(self) -> Self:
         return self
@@ -183,43 +208,62 @@ class BaseClient:
             await self._client.aclose()
 
     async def _request(
-        self, method: str, path: str, body: Any = None, *, accept_404: bool = False
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        accept_404: bool = False,
+        resend: bool | None = None,
     ) -> httpx.Response:
         """Send one request with a JSON body (``None`` = no body) and return a 2xx answer (or
-        the 404 when ``accept_404``).
+        the 404 when ``accept_404``), failing over between the client's URLs; ``resend``
+        (default: ``method`` is in :data:`RESENDABLE`) says it is safe to send again.
 
         Raises:
-            TransportError: the exchange failed below HTTP.
+            TransportError: the exchange failed below HTTP (at every URL).
             KVSPError: the peer answered with an error (see :func:`problem_error`).
         """
-        headers = dict(self._headers)
-        content = None
-        if body is not None:
+        content = None if body is None else dumps_json(body)
+        safe = method in RESENDABLE if resend is None else resend
+
+        async def attempt(base: str) -> httpx.Response:
+            return await self._send(method, base, path, content, accept_404)
+
+        return await self.failover.call(attempt, resend=safe, what=f"{method} {path}")
+
+    async def _send(
+        self, method: str, base: str, path: str, content: bytes | None, accept_404: bool
+    ) -> httpx.Response:
+        headers = dict(self._headers[base])
+        if content is not None:
             headers["content-type"] = KVSP_JSON
-            content = dumps_json(body)
         try:
             response = await self._client.request(
-                method, self.base_url + path, content=content, headers=headers
+                method, base + path, content=content, headers=headers
             )
         except httpx.RequestError as exc:
-            raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+            raise TransportError(f"{method} {base}{path}: {type(exc).__name__}: {exc}") from exc
         except AttributeError as exc:
             # httpcore on anyio, when the peer dies between accepting the connection and the
             # first read: the closed socket is None when asked for its peer name
-            raise TransportError(f"{method} {path}: connection lost: {exc}") from exc
+            raise TransportError(f"{method} {base}{path}: connection lost: {exc}") from exc
         if response.is_success or (accept_404 and response.status_code == 404):
             return response
         raise problem_error(response)
 
-    async def _request_json(self, method: str, path: str, body: Any = None) -> Any:
-        """Send one request and return the parsed JSON answer (``None`` for an empty body).
+    async def _request_json(
+        self, method: str, path: str, body: Any = None, *, resend: bool | None = None
+    ) -> Any:
+        """Send one request (as :meth:`_request`) and return the parsed JSON answer (``None``
+        for an empty body).
 
         Raises:
             TransportError: the exchange failed below HTTP.
             RemoteError: a 2xx answer that is not JSON.
             KVSPError: the peer answered with an error (see :func:`problem_error`).
         """
-        response = await self._request(method, path, body)
+        response = await self._request(method, path, body, resend=resend)
         return parse_answer(response)
 
 

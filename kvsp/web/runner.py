@@ -5,6 +5,12 @@ on it with the fast loop and parser when importable (uvloop and httptools move b
 much faster than h11), writes the base URL to a ready file once the server accepts
 connections, and shuts down cleanly on SIGTERM or SIGINT with exit status 0.
 
+**Leaving gracefully.** A service may pass ``on_signal``, a coroutine function run on the
+first SIGTERM or SIGINT while the server goes on serving (the instance drains its sessions,
+withdraws its replicas and ends its epoch there, :mod:`kvsp.services.instance.app`); the server
+shuts down once it returns or raises. A second signal shuts down at once (in-flight requests
+still get ``graceful_shutdown_s``), a third stops waiting for them.
+
 **Read timeouts.** uvicorn bounds only the wait between a response and the next request
 (``timeout_keep_alive``); a connection that sends nothing, or a request head one octet at a
 time, or a body that stalls, would hold its socket forever. :func:`bounded_protocol` wraps
@@ -29,7 +35,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -245,11 +251,20 @@ class _Server(uvicorn.Server):
     -SIGTERM; a service stopped on purpose should exit 0, so the signals are handled here.
     """
 
-    def __init__(self, config: uvicorn.Config, on_serving: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_serving: Callable[[], None],
+        on_signal: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         super().__init__(config)
         self._on_serving = on_serving
+        self._on_signal_hook = on_signal
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._leaving: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started and not self.should_exit:
             self._on_serving()
@@ -267,15 +282,39 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self._on_signal_hook is not None and self._leaving is None and not self.should_exit:
+            loop = self._loop
+            if loop is not None and self.started:
+                _log.info("signal %s: leaving gracefully before shutting down", sig)
+                loop.call_soon_threadsafe(self._leave)
+                return
         if self.should_exit:
             self.force_exit = True  # a second signal: stop waiting for in-flight requests
         self.should_exit = True
 
+    def _leave(self) -> None:
+        self._leaving = asyncio.ensure_future(self._run_leave())
+
+    async def _run_leave(self) -> None:
+        hook = self._on_signal_hook
+        try:
+            if hook is not None:
+                await hook()
+        except Exception:
+            _log.exception("leaving gracefully failed; shutting down")
+        finally:
+            self.should_exit = True
+
 
 async def serve_async(
-    app: ASGIApp, config: ServeConfig, on_serving: Callable[[str], None] | None = None
+    app: ASGIApp,
+    config: ServeConfig,
+    on_serving: Callable[[str], None] | None = None,
+    on_signal: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Serve ``app`` until a shutdown signal; ``on_serving(base_url)`` runs once it is serving.
+    """Serve ``app`` until a shutdown signal; ``on_serving(base_url)`` runs once it is serving,
+    ``on_signal()`` on the first signal before the server shuts down (see the module
+    docstring).
 
     Signal handlers are installed only when called from the main thread.
     """
@@ -288,7 +327,7 @@ async def serve_async(
         if on_serving is not None:
             on_serving(url)
 
-    server = _Server(_uvicorn_config(app, config), serving)
+    server = _Server(_uvicorn_config(app, config), serving, on_signal)
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -170,7 +170,7 @@ def test_every_alias_is_hidden_and_stores_as_its_canonical_option() -> None:
         (
             ["serve", "instance", "--control", "http://pc/", "--token-file", "t"],
             "control",
-            "http://pc/",
+            ["http://pc/"],
         ),
     ],
 )

@@ -68,6 +68,7 @@ from kvsp.web.cliargs import (
     trust_from_args,
 )
 from kvsp.web.clock import Clock, SystemClock
+from kvsp.web.failover import add_url_list_argument
 from kvsp.web.http import (
     install_operations,
     media_type,
@@ -283,7 +284,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the holder's options (``kvsp serve holder``)."""
     d = HolderConfig()
     add = parser.add_argument
-    add("--index", metavar="URL", help="the Index Service to publish at (default: standalone)")
+    add_url_list_argument(
+        parser, "--index", help="the Index Service to publish at (default: standalone)"
+    )
     add("--index-token-file", type=Path, metavar="FILE", help="bearer token for the IS")
     add("--public-url", metavar="URL", help="base URL named in records (default: its own)")
     add_site_arguments(parser)

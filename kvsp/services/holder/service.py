@@ -263,13 +263,26 @@ class Holder:
         if self.index is not None and self._task is None:
             self._task = asyncio.create_task(self._refresh_loop(), name="kvsp-holder-refresh")
 
-    async def close(self) -> None:
-        """Stop refreshing and withdraw every published record."""
+    async def stop_refreshing(self) -> None:
+        """Stop keeping the records fresh (a holder about to leave withdraws them all at once
+        next); :meth:`close` still withdraws those not forgotten."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+    def forget_published(self) -> int:
+        """Forget every record as published, once the IS withdrew them all at once (``DELETE
+        holders/{id}/replicas``): :meth:`close` has none left to withdraw; returns how many."""
+        count = len(self._published)
+        self._published.clear()
+        self._unwithdrawn.clear()
+        return count
+
+    async def close(self) -> None:
+        """Stop refreshing and withdraw every published record."""
+        await self.stop_refreshing()
         await self.retirement.close()
         refs = list(self._published)
         for start in range(0, len(refs), WITHDRAW_CONCURRENCY):

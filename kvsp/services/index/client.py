@@ -4,6 +4,10 @@ Every method maps to one request of :mod:`kvsp.services.index.app`; errors arriv
 :class:`~kvsp.errors.KVSPError` the server raised (see :mod:`kvsp.web.client`), and
 answers are checked as records, so a peer's malformed answer raises
 :class:`~kvsp.errors.RemoteError`.
+
+A client given several IS base URLs fails over between them (:mod:`kvsp.web.failover`); of
+the POSTs, ``lookup`` (a read) and the batch publication (a set of PUTs) are sent again to the
+next IS when an answer was lost.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ def _batch_outcomes(obj: Any, expected: int) -> list[int | KVSPError]:
     return results
 
 
+def _withdrawn(obj: Any) -> int:
+    count: int = Fields(obj).integer("withdrawn")
+    return count
+
+
 def _compat_of(obj: Any) -> CompatId:
     return parse_compat_id(Fields(obj).raw("compat_id"), path="$.compat_id")
 
@@ -59,6 +68,7 @@ class IndexClient(BaseClient):
     """An async client of one IS (``async with IndexClient(base, token) as index: ...``)."""
 
     control_plane = True  # the IS takes the bearer token itself
+    service = "IS"
 
     async def publish(self, record: ReplicaRecord) -> int:
         """PUT a Replica Record (§6.1); returns the granted TTL in milliseconds.
@@ -76,7 +86,7 @@ class IndexClient(BaseClient):
             KVSPError: the batch as a whole was refused (too large, unauthenticated, ...).
         """
         body = {"records": [r.to_json() for r in records]}
-        answer = await self._request_json("POST", "replicas", body)
+        answer = await self._request_json("POST", "replicas", body, resend=True)
         return decode_answer(lambda obj: _batch_outcomes(obj, len(records)), answer)
 
     async def withdraw(self, compat_id: bytes, scope_id: bytes, key: bytes, holder: str) -> bool:
@@ -89,13 +99,23 @@ class IndexClient(BaseClient):
         response = await self._request("DELETE", path, accept_404=True)
         return response.status_code != 404
 
+    async def withdraw_holder(self, holder: str) -> int:
+        """DELETE every Replica Record of ``holder`` (its leaving, §6.1); returns how many the
+        IS withdrew.
+
+        Raises:
+            KVSPError: as the server answered (403 for another holder's records, ...).
+        """
+        answer = await self._request_json("DELETE", f"holders/{uri_id(holder)}/replicas")
+        return decode_answer(_withdrawn, answer)
+
     async def lookup(self, request: LookupRequest) -> LookupResponse:
         """POST a lookup (§6.2); the answer is checked against the request.
 
         Raises:
             KVSPError: as the server answered; RemoteError for an answer that does not fit.
         """
-        answer = await self._request_json("POST", "lookup", request.to_json())
+        answer = await self._request_json("POST", "lookup", request.to_json(), resend=True)
         response = decode_answer(LookupResponse.from_json, answer)
         decode_answer(lambda req: response.check_answers(req), request)
         return response

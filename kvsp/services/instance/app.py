@@ -43,6 +43,14 @@ reader (``GET sessions/{s}/tokens?from=N`` reattaches), and can be resumed elsew
 the scope key configured with ``--scope-key-file`` (a resumed instance computes the keys of
 generated blocks with it). Without ``session`` a generation is greedy unless a ``sampler``
 says otherwise, and never checkpointed.
+
+**Leaving** (SIGTERM or SIGINT, :func:`leave`): the instance reports draining at once (§6.3: no
+new work), lets its in-flight sessions and directives finish for up to ``--drain-timeout``
+seconds, withdraws all its replicas at the IS in one request (``DELETE holders/{holder_id}/
+replicas``) and ends its epoch at the PC (``DELETE instances/{instance_id}?epoch=E``, which
+moves any session left, §6.8), then exits 0. Each step is logged at info; a step that fails is
+logged at warning and the next one is still tried. ``--control`` and ``--index`` take several
+URLs (:mod:`kvsp.web.failover`).
 """
 
 from __future__ import annotations
@@ -54,8 +62,9 @@ import dataclasses
 import functools
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -92,6 +101,7 @@ from kvsp.web.cliargs import (
     trust_from_args,
 )
 from kvsp.web.clock import Clock, SystemClock
+from kvsp.web.failover import add_url_list_argument
 from kvsp.web.http import JsonLimits, install_operations, read_json
 from kvsp.web.metrics import arrival
 from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
@@ -366,9 +376,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     d = InstanceConfig()
     add = parser.add_argument
     # --pc is required; given as --control too, so argparse cannot check it: run() does
-    pc = add("--pc", dest="control", metavar="URL", help="the PC (or kvsp serve control); required")
+    pc = add_url_list_argument(
+        parser, "--pc", dest="control", help="the PC (or kvsp serve control); required"
+    )
     add_deprecated_aliases(parser, pc, "--control")
-    add("--index", metavar="URL", help="the IS, when apart from the PC (default: --pc)")
+    add_url_list_argument(parser, "--index", help="the IS, when apart from the PC (default: --pc)")
     add(
         "--token-file",
         required=True,
@@ -415,6 +427,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add("--sleep-threshold", type=float, metavar="LOAD", help="ask to sleep below this load")
     add("--sleep-after-ms", type=positive_int, default=d.sleep_after_ms, metavar="MS")
     add("--record-ttl-ms", type=positive_int, default=600_000, metavar="MS")
+    add(
+        "--drain-timeout",
+        type=_seconds,
+        default=DRAIN_TIMEOUT_S,
+        metavar="S",
+        help="on SIGTERM, seconds in-flight sessions and directives may take before the "
+        f"instance withdraws its replicas and leaves (default {DRAIN_TIMEOUT_S:g})",
+    )
     add_relay_arguments(parser)
     add(
         "--scope-key-file",
@@ -433,6 +453,86 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="holder-face tier and budget, e.g. host=2GiB (default host=1GiB)",
     )
     add_session_arguments(parser)
+
+
+DRAIN_TIMEOUT_S = 30.0
+"""How long a stopping instance waits for its in-flight work by default."""
+LEAVE_STEP_S = 10.0
+"""The longest one request of leaving (the status report, the withdrawal, the epoch's end)
+may take."""
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1e9:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
+async def leave(
+    agent: InstanceAgent, index: _Withdraws, pc: _EndsEpochs, drain_timeout_s: float
+) -> None:
+    """Leave gracefully (SIGTERM): report draining, let in-flight work finish for at most
+    ``drain_timeout_s``, withdraw every replica of this instance at the IS, end the epoch at
+    the PC. Each step is logged; a failed step does not stop the next."""
+    url = agent.public_url
+    try:
+        async with asyncio.timeout(LEAVE_STEP_S):
+            await agent.begin_leaving()
+        _log.info("leaving: state %s reported to the PC; no new work", agent.state)
+    except (KVSPError, TimeoutError) as exc:
+        _log.warning("leaving: reporting draining to the PC failed: %s", exc or "timed out")
+    if await agent.wait_idle(drain_timeout_s):
+        _log.info("leaving: in-flight sessions and directives finished")
+    else:
+        sessions, directives = agent.busy()
+        _log.warning(
+            "leaving: %d sessions and %d directives still running after %g s; leaving anyway",
+            sessions,
+            directives,
+            drain_timeout_s,
+        )
+    await agent.stop_reporting()
+    if url is None:
+        _log.warning("leaving: the instance never learned its URL; nothing to withdraw")
+        return
+    await _leave_step("withdrawing the replicas at the IS", _withdraw_all(agent, index, url))
+    await _leave_step(f"ending epoch {agent.epoch} at the PC", _end_epoch(agent, pc, url))
+
+
+async def _withdraw_all(agent: InstanceAgent, index: _Withdraws, url: str) -> str:
+    withdrawn = await index.withdraw_holder(url)
+    agent.holder.forget_published()
+    return f"{withdrawn} withdrawn"
+
+
+async def _end_epoch(agent: InstanceAgent, pc: _EndsEpochs, url: str) -> str:
+    try:
+        await pc.end_epoch(url, agent.epoch)
+    except NotFound:
+        return "the PC did not know it"
+    return "done"
+
+
+async def _leave_step(what: str, step: Coroutine[Any, Any, str]) -> None:
+    try:
+        async with asyncio.timeout(LEAVE_STEP_S):
+            outcome = await step
+    except (KVSPError, TimeoutError) as exc:
+        _log.warning("leaving: %s failed: %s", what, exc or "timed out")
+        return
+    _log.info("leaving: %s: %s", what, outcome)
+
+
+class _Withdraws(Protocol):
+    async def withdraw_holder(self, holder: str, /) -> int: ...
+
+
+class _EndsEpochs(Protocol):
+    async def end_epoch(self, instance: str, epoch: int, /) -> None: ...
 
 
 def _delay_ms(text: str) -> float:
@@ -694,7 +794,9 @@ async def _serve(
     _log.info("%s", trust.describe())
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(engine.aclose)
-        control = await stack.enter_async_context(IndexClient(args.control, token, trust=trust))
+        control = await stack.enter_async_context(
+            IndexClient(args.control, token, trust=trust, service="PC")  # status records
+        )
         index = control
         if args.index is not None:
             index = await stack.enter_async_context(IndexClient(args.index, token, trust=trust))
@@ -725,13 +827,17 @@ async def _serve(
             if config.public_url is None:
                 agent.set_public_url(url)
 
-        await serve_async(app, serving, on_serving=on_serving)
+        async def on_signal() -> None:
+            await leave(agent, index, pc, args.drain_timeout)
+
+        await serve_async(app, serving, on_serving=on_serving, on_signal=on_signal)
 
 
 __all__ = [
     "configure_parser",
     "create_instance_app",
     "instance_config",
+    "leave",
     "make_engine",
     "run",
 ]

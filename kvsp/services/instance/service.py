@@ -35,6 +35,15 @@ is the HTTP shell. Choices the spec leaves open:
   survive failures (§6.8: checkpoints, resume, the release gate) are built on these pieces in
   :mod:`kvsp.services.instance.sessions`; a status answered ``kvsp-stale-epoch`` tells them
   that the PC declared this instance failed (:meth:`InstanceAgent.on_declared_failed`).
+* **Leaving** (SIGTERM, §6.3 draining): :meth:`InstanceAgent.begin_leaving` enters draining on
+  the instance's own account and reports it at once, so no new work is placed here; the
+  in-flight sessions and directives finish (:meth:`InstanceAgent.wait_idle`); then reporting
+  stops (:meth:`InstanceAgent.stop_reporting`) and the shell withdraws the replicas and ends
+  the epoch (:mod:`kvsp.services.instance.app`). While leaving, the instance never goes on to
+  sleeping, never takes the PC's state, and never re-registers.
+* **Directive outcomes** are logged at info once a directive stops: blocks loaded of total,
+  octets, blocks and octets per source and per transport, elapsed ms and the final state; each
+  failed fetch is logged at warning with its cause as it happens.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from kvsp.container import Container, Geometry, decode_container
 from kvsp.engine.api import GREEDY, EngineSequence, InferenceEngine, Sampling
 from kvsp.errors import (
     BadRequest,
+    IllegalTransition,
     Incompatible,
     KVSPError,
     NotActive,
@@ -80,6 +90,7 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.holder import Holder
+from kvsp.services.instance.outcomes import DirectiveTally, Loaded
 from kvsp.services.instance.pipeline import (
     LeaseBatcher,
     LeaseHold,
@@ -196,7 +207,7 @@ class InstanceConfig:
 
 @dataclass(slots=True)
 class _KeyLoad:
-    task: asyncio.Task[tuple[bool, str]]
+    task: asyncio.Task[Loaded]
     waiters: int = 0
 
 
@@ -304,6 +315,7 @@ class InstanceAgent:
         self._pipe_transfers = TransferBudget(config.pipeline_transfers, config.pipeline_octets)
         self._loads: dict[BlockRef, _KeyLoad] = {}
         self._stopped: dict[uuid.UUID, asyncio.Event] = {}  # directive id → set once it stops
+        self._tallies: dict[uuid.UUID, DirectiveTally] = {}  # directive id → what it loaded
         self._tasks: set[asyncio.Task[object]] = set()
         self._status_task: asyncio.Task[None] | None = None
         self._status_wake = asyncio.Event()
@@ -311,6 +323,8 @@ class InstanceAgent:
         self._public_url: str | None = None
         self._principal = Principal(name="instance", roles=frozenset({"instance"}), scopes=None)
         self._failure_listeners: list[Callable[[], None]] = []
+        self._leaving = False
+        self._quieter = asyncio.Event()  # set when a session or a directive ends
         self._registered_ms: int | None = None  # the PC last took a status record
         self._relay_base = None if config.relay is None else _base(config.relay)
         """Its relay as a directive source (blocks it does not hold yet: :func:`through_relay`)."""
@@ -453,6 +467,8 @@ class InstanceAgent:
         try:
             answer = await self.control.put_status(self.status_record())
         except StaleEpoch:
+            if self._leaving:
+                raise  # a leaving instance does not register again
             self._epoch = self._epochs.advance(self.clock.now_ms())
             self._state = InstanceState.ACTIVE
             _log.warning("status expired at the PC; re-registering with epoch %d", self._epoch)
@@ -479,7 +495,7 @@ class InstanceAgent:
         self._failure_listeners.append(listener)
 
     def _apply_answer(self, answer: StateAnswer) -> None:
-        if answer.state is self._state:
+        if answer.state is self._state or self._leaving:
             return
         try:
             check_transition(self._state, answer.state, by="pc")
@@ -521,6 +537,8 @@ class InstanceAgent:
         """
         if dst is not self._state:
             check_transition(self._state, dst, by="pc")
+            if self._leaving:
+                raise IllegalTransition(f"the instance is shutting down; not {dst}")
             self._enter(dst)
         return self._state
 
@@ -531,7 +549,7 @@ class InstanceAgent:
         self._status_wake.set()
 
     def _settle(self) -> None:
-        if self._state is InstanceState.DRAINING and self._admitted == 0:
+        if self._state is InstanceState.DRAINING and self._admitted == 0 and not self._leaving:
             check_transition(InstanceState.DRAINING, InstanceState.SLEEPING, by="instance")
             self._state = InstanceState.SLEEPING
             self._status_wake.set()  # §6.3: "enters sleeping and reports it"
@@ -541,7 +559,59 @@ class InstanceAgent:
             self._running -= 1
             self._slots.release()
         self._admitted -= 1
+        self._quieter.set()
         self._settle()
+
+    # -- leaving (SIGTERM) ---------------------------------------------------------------------
+
+    @property
+    def leaving(self) -> bool:
+        """Whether the instance is on its way out (:meth:`begin_leaving`)."""
+        return self._leaving
+
+    async def begin_leaving(self) -> None:
+        """Stop taking new work: an active instance enters draining on its own account (§6.3:
+        no new sessions; the PC places nothing here) and reports it at once.
+
+        Raises:
+            KVSPError: the PC refused the record or could not be reached (the instance is
+                draining all the same).
+        """
+        self._leaving = True
+        if self._state is InstanceState.ACTIVE:
+            check_transition(self._state, InstanceState.DRAINING, by="shutdown")
+            self._state = InstanceState.DRAINING
+        if self._public_url is not None:
+            await self.report_status()
+
+    def busy(self) -> tuple[int, int]:
+        """The sessions admitted and the directives still loading."""
+        return self._admitted, len(self._stopped)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no session is admitted and no directive is loading, at most
+        ``timeout_s`` seconds; whether it got there."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while any(self.busy()):
+                    self._quieter.clear()
+                    await self._quieter.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop_reporting(self, settle_s: float = 5.0) -> None:
+        """Stop the status loop and the holder face's refreshes, letting the background
+        publications of computed blocks end first (at most ``settle_s`` seconds)."""
+        if self._status_task is not None:
+            self._status_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._status_task
+            self._status_task = None
+        pending = [t for t in self._tasks if t.get_name().startswith("kvsp-publish")]
+        if pending:
+            await asyncio.wait(pending, timeout=settle_s)
+        await self.holder.stop_refreshing()
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -696,15 +766,22 @@ class InstanceAgent:
             await asyncio.wait_for(stopped.wait(), timeout)
 
     async def _run_directive(self, progress: DirectiveProgress) -> None:
+        tally = self._tallies[progress.directive.directive] = DirectiveTally()
         try:
             await self._directive(progress)
         finally:
             tokens = self.descriptor.block_tokens  # metrics: blocks asked for, blocks loaded
             asked, loaded = len(progress.keys) * tokens, len(progress.loaded) * tokens
             self.meter.count_prefix("prefetch", asked, loaded)
+            self._tallies.pop(progress.directive.directive, None)
+            if progress.final:
+                tally.log(progress)
+            else:
+                _log.info("directive %s stopped unfinished", progress.directive.directive)
             stopped = self._stopped.pop(progress.directive.directive, None)
             if stopped is not None:
                 stopped.set()
+            self._quieter.set()
 
     async def _directive(self, progress: DirectiveProgress) -> None:
         d = progress.directive
@@ -713,6 +790,7 @@ class InstanceAgent:
             if not self.holds(BlockRef(d.compat_id, d.scope_id, key)):
                 break
             progress.block_loaded(key)
+            self._count(progress, Loaded(True))
         if progress.final or progress.expire(self.clock.now_ms()):
             return
         try:
@@ -751,13 +829,19 @@ class InstanceAgent:
         """Wait for the oldest block of the window and report it (blocks complete in prefix
         order: a block is useless without every block before it)."""
         key, load = window[0]
-        ok, why = (True, "") if load is None else await self._outcome(load)
+        loaded = Loaded(True) if load is None else await self._outcome(load)
         self._drop(window.popleft()[1])
-        if ok:
+        if loaded.ok:
             progress.block_loaded(key)
+            self._count(progress, loaded)
         else:
-            progress.block_failed(key, why)
+            progress.block_failed(key, loaded.why)
         progress.expire(self.clock.now_ms())
+
+    def _count(self, progress: DirectiveProgress, loaded: Loaded) -> None:
+        tally = self._tallies.get(progress.directive.directive)
+        if tally is not None:
+            tally.add(loaded)
 
     async def _pipeline_directive(self, progress: DirectiveProgress) -> None:
         """Load the directive's blocks with up to ``pipeline_window`` in flight, started by
@@ -876,12 +960,12 @@ class InstanceAgent:
             load.task.cancel()  # no directive waits for it: stop loading (§6.5 deadline)
 
     @staticmethod
-    async def _outcome(load: _KeyLoad) -> tuple[bool, str]:
+    async def _outcome(load: _KeyLoad) -> Loaded:
         try:
             return await asyncio.shield(load.task)
         except asyncio.CancelledError:
             if load.task.cancelled():
-                return False, "cancelled"
+                return Loaded(False, "cancelled")
             raise
 
     async def _load_block(
@@ -890,7 +974,7 @@ class InstanceAgent:
         sources: Sequence[str],
         records: Mapping[tuple[BlockKey, str], ReplicaRecord],
         lease_ms: int,
-    ) -> tuple[bool, str]:
+    ) -> Loaded:
         """Load one block from the first source that delivers it verified."""
         reasons = []
         async with self._transfers:
@@ -911,10 +995,10 @@ class InstanceAgent:
                     reasons.append(f"{base}: {exc.problem}")
                     continue
                 if await self._place(ref, block):
-                    return True, ""
+                    return Loaded(True, source=base, octets=_payload(block))
                 reasons.append("no room to keep it")
                 break
-        return False, "; ".join(reasons) or "no sources"
+        return Loaded(False, "; ".join(reasons) or "no sources")
 
     async def _pipe_block(
         self,
@@ -922,7 +1006,7 @@ class InstanceAgent:
         sources: Sequence[str],
         records: Mapping[tuple[BlockKey, str], ReplicaRecord],
         lease_ms: int,
-    ) -> tuple[bool, str]:
+    ) -> Loaded:
         """Load one block from the first source that delivers it verified, as a stage of the
         pipeline: a share of a batched lease, the transfer (within ``pipeline_transfers`` and
         ``pipeline_octets``),
@@ -950,6 +1034,7 @@ class InstanceAgent:
                 try:
                     async with self._pipe_transfers.take(record.size):
                         block = await self._get(base, record)
+                        octets = _payload(block)
                 except KVSPError as exc:
                     _log_failed_fetch(ref, base, "GET", exc)
                     reasons.append(f"{base}: {exc.problem}")
@@ -961,7 +1046,7 @@ class InstanceAgent:
                 stored = await self._keep(ref, block)
                 if stored is None:
                     if held:
-                        return True, ""
+                        return Loaded(True, source=base, octets=octets)
                     reasons.append("no room to keep it")
                     break
                 expected = False
@@ -969,8 +1054,8 @@ class InstanceAgent:
                     await self.replicas.add(stored, expected=True)
                 else:
                     self.replicas.forget()  # held already
-                return True, ""
-            return False, "; ".join(reasons) or "no sources"
+                return Loaded(True, source=base, octets=octets)
+            return Loaded(False, "; ".join(reasons) or "no sources")
         finally:
             if expected:
                 self.replicas.forget()
@@ -1027,7 +1112,7 @@ class InstanceAgent:
         began = time.perf_counter()
         block = await self.block_client.get_block(base, record, geometry=self.geometry)
         seconds = time.perf_counter() - began
-        octets = sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
+        octets = _payload(block)
         if self._unleased(base, record):
             self.links.record_rtt(base, seconds)
         self.links.record_transfer(base, octets, seconds)
@@ -1037,6 +1122,11 @@ class InstanceAgent:
         """Keep a verified block in the engine and in the holder's tiers, publishing it."""
         held = self.engine.hold(ref.key, block)
         return await self._store(ref, _octets(block)) or held
+
+
+def _payload(block: Container) -> int:
+    """The octets of a block's K and V sections (what a transfer moved, header aside)."""
+    return sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
 
 
 def _octets(block: Container) -> bytes:

@@ -93,6 +93,7 @@ from kvsp.web.background import raise_if_cancelling
 from kvsp.web.cliargs import add_epoch_skew_argument, load_principals, positive_int, serve_config
 from kvsp.web.client import BaseClient
 from kvsp.web.clock import Clock, SystemClock
+from kvsp.web.failover import add_url_list_argument
 from kvsp.web.http import JsonLimits, install_operations, read_json, store_readiness
 from kvsp.web.metrics import observe_lookup
 from kvsp.web.problems import install_problem_handlers, kvsp_json, problem_response
@@ -566,7 +567,7 @@ def add_pc_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``kvsp serve pc`` (the PC apart from the IS)."""
-    parser.add_argument("--index", required=True, metavar="URL", help="the Index Service")
+    add_url_list_argument(parser, "--index", required=True, help="the Index Service")
     parser.add_argument(
         "--index-token-file",
         type=Path,

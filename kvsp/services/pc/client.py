@@ -5,6 +5,10 @@ Errors arrive as the :class:`~kvsp.errors.KVSPError` the PC raised (see
 :mod:`kvsp.web.client`): ``kvsp-stale-epoch`` as :class:`~kvsp.errors.StaleEpoch`,
 ``kvsp-not-active`` from ``place`` as :class:`~kvsp.errors.NotActive`, an illegal operator
 transition as :class:`~kvsp.errors.Conflict`.
+
+A client given several PC base URLs fails over between them (:mod:`kvsp.web.failover`);
+``place`` is sent again to the next PC too: it names its session, so a repeat is the same
+placement request.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ class PCClient(BaseClient):
     """An async client of one PC (``async with PCClient(base, token) as pc: ...``)."""
 
     control_plane = True  # the PC takes the bearer token itself
+    service = "PC"
 
     async def put_status(self, record: InstanceStatusRecord) -> StateAnswer:
         """PUT an Instance Status Record (§6.3); returns the PC's state for the instance.
@@ -139,6 +144,17 @@ class PCClient(BaseClient):
         path = f"instances/{uri_id(record.instance)}/status"
         answer = await self._request_json("PUT", path, record.to_json())
         return decode_answer(StateAnswer.from_json, answer)
+
+    async def end_epoch(self, instance: str, epoch: int) -> None:
+        """DELETE ``instances/{id}?epoch=E``: end ``instance``'s epoch gracefully (its
+        shutdown, §6.3); the PC withdraws its replicas and moves its sessions (§6.8).
+
+        Raises:
+            NotFound: the PC does not know the instance.
+            StaleEpoch: the PC holds a higher epoch for it.
+            KVSPError: as the PC answered otherwise (403 for another instance's principal).
+        """
+        await self._request("DELETE", f"instances/{uri_id(instance)}?epoch={epoch}")
 
     async def list_instances(self) -> list[InstanceListing]:
         """GET the instances the PC knows.
@@ -176,7 +192,7 @@ class PCClient(BaseClient):
             body["deadline_ms"] = deadline_ms
         if lease_ms is not None:
             body["lease_ms"] = lease_ms
-        answer = await self._request_json("POST", "place", body)
+        answer = await self._request_json("POST", "place", body, resend=True)
         return decode_answer(PlaceResponse.from_json, answer)
 
     async def put_checkpoint(self, checkpoint: SessionCheckpoint) -> SessionView:

@@ -51,6 +51,11 @@ def _batch_outcomes(obj: Any, expected: int) -> list[int | KVSPError]:
     return results
 
 
+def _withdrawn(obj: Any) -> int:
+    count: int = Fields(obj).integer("withdrawn")
+    return count
+
+
 def _compat_of(obj: Any) -> CompatId:
     return parse_compat_id(Fields(obj).raw("compat_id"), path="$.compat_id")
 
@@ -88,6 +93,19 @@ class IndexClient(BaseClient):
         path = replica_path(compat_id, scope_id, key, holder)
         response = await self._request("DELETE", path, accept_404=True)
         return response.status_code != 404
+
+    async def withdraw_holder(self, holder: str, *, published_before: int | None = None) -> int:
+        """DELETE every record of ``holder`` (``holders/{uri_id}/replicas``), or only those
+        last published before ``published_before`` (ms); how many went.
+
+        Raises:
+            KVSPError: as the server answered (403 for another holder without role pc, ...).
+        """
+        path = f"holders/{uri_id(holder)}/replicas"
+        if published_before is not None:
+            path += f"?before={published_before}"
+        answer = await self._request_json("DELETE", path)
+        return decode_answer(_withdrawn, answer)
 
     async def lookup(self, request: LookupRequest) -> LookupResponse:
         """POST a lookup (§6.2); the answer is checked against the request.

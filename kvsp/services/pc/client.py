@@ -158,6 +158,16 @@ class PCClient(BaseClient):
         answer = await self._request_json("PUT", path, StateAnswer(state=state).to_json())
         return decode_answer(StateAnswer.from_json, answer).state
 
+    async def end_epoch(self, instance: str, epoch: int) -> None:
+        """DELETE ``instances/{id}?epoch=E``: end ``instance``'s epoch gracefully (its
+        shutdown, §6.3); the PC withdraws its replicas and moves its sessions.
+
+        Raises:
+            KVSPError: 404 unknown instance, 409 ``kvsp-stale-epoch`` for a lower epoch than
+                the PC's, 403 for another instance's principal.
+        """
+        await self._request("DELETE", f"instances/{uri_id(instance)}?epoch={epoch}")
+
     async def place(
         self,
         request: PlaceRequest,

@@ -105,6 +105,11 @@ class ReplicaStore(Protocol):
         """Remove one holder's record for a key; whether there was one."""
         ...
 
+    async def delete_holder(self, holder_id: bytes, *, published_before: int | None = None) -> int:
+        """Remove every record of the holder ``holder_id``, or only those last published or
+        refreshed (``expires_ms - ttl_ms``) before ``published_before``; how many went."""
+        ...
+
     async def lookup(
         self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], now_ms: int
     ) -> list[list[StoredReplica]]:
@@ -198,6 +203,16 @@ class Caller(Protocol):
 
     def may_report_for(self, instance: str) -> bool:
         """Whether it may report the status of ``instance`` (§6.3)."""
+        ...
+
+
+@runtime_checkable
+class HolderAuthority(Protocol):
+    """A caller that may withdraw the records of holders other than its own: the PC, which
+    declares instances failed (§6.3), and admin. Optional on a :class:`Caller`."""
+
+    def may_withdraw_any_holder(self) -> bool:
+        """Whether it may withdraw every record of any holder."""
         ...
 
 
@@ -472,6 +487,23 @@ class IndexService:
         return await self.store.delete(
             path.compat_id, path.scope_id, path.block_key, path.holder_id
         )
+
+    async def withdraw_holder(
+        self, caller: Caller, holder_id: bytes, *, published_before: int | None = None
+    ) -> int:
+        """Withdraw every record of the holder named by ``holder_id`` (§6.1, for a holder
+        that failed or ended, §6.3), or only those last published before ``published_before``
+        (ms, the IS's clock: a restarted holder keeps what its new incarnation published);
+        returns how many went.
+
+        Raises:
+            Forbidden: the caller may not withdraw for that holder: only the holder itself
+                (as for publishing), the PC (which declares instances failed) and admin may.
+        """
+        authority = isinstance(caller, HolderAuthority) and caller.may_withdraw_any_holder()
+        if not (authority or caller.may_publish_for_id(holder_id)):
+            raise Forbidden(f"principal {caller.name!r} may not withdraw for this holder")
+        return await self.store.delete_holder(holder_id, published_before=published_before)
 
     async def sweep(self, now_ms: int, max_items: int) -> int:
         """Remove expired records, bounded by ``max_items``; returns how many went."""

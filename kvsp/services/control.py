@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute, Route
 
 from kvsp.compat import CompatibilityDescriptor
-from kvsp.index import Caller, DescriptorSource, IndexService, ReplicaStore
+from kvsp.index import Caller, DescriptorSource, IndexService, ReplicaStore, holder_id_of
 from kvsp.lifecycle import InstanceRegistry, SleepPolicy
 from kvsp.records import InstanceStatusRecord, LookupRequest, ReplicaRecord
 from kvsp.services.descriptors import descriptor_routes
@@ -48,6 +48,7 @@ from kvsp.services.pc.app import (
 from kvsp.services.pc.reshard import coordinator_for, reshard_routes
 from kvsp.services.pc.service import InstancePeers, PCConfig, PlacementController, ScaleUpHook
 from kvsp.stores.descriptors import DescriptorRegistry
+from kvsp.stores.instances import InstanceStore
 from kvsp.stores.sessions import SessionStore
 from kvsp.web.auth import Principals
 from kvsp.web.cliargs import load_principals, serve_config
@@ -79,6 +80,9 @@ class _ControllerCaller:
     def may_report_for(self, instance: str) -> bool:
         return False
 
+    def may_withdraw_any_holder(self) -> bool:
+        return True  # it withdraws the replicas of instances it declared failed (§6.3)
+
 
 class LocalIndex:
     """:class:`~kvsp.services.pc.service.IndexAccess` over an in-process
@@ -101,6 +105,13 @@ class LocalIndex:
         table has is dropped there too, unless that one is poisoned)."""
         await self._index.keep_status(record, now_ms)
 
+    async def withdraw_holder(self, holder: str, *, published_before: int | None = None) -> int:
+        """Withdraw the replica records of ``holder`` (those published before
+        ``published_before`` only, when given) as the PC; how many went."""
+        return await self._index.withdraw_holder(
+            self._caller, holder_id_of(holder), published_before=published_before
+        )
+
     async def descriptor(self, compat_id: bytes) -> CompatibilityDescriptor | None:
         """The descriptor from the shared registry."""
         return self._descriptors.get(compat_id)
@@ -119,9 +130,11 @@ def create_control_app(
     extra_routes: Sequence[BaseRoute] = (),
     extra_lifespans: Sequence[Lifespan] = (),
     sessions: SessionStore | None = None,
+    instances: InstanceStore | None = None,
 ) -> Starlette:
     """The control-plane app: IS and PC over ``store`` (``app.state.index`` and
-    ``app.state.pc`` hold them), the PC's sessions in ``sessions`` (in memory when ``None``);
+    ``app.state.pc`` hold them), the PC's sessions in ``sessions`` and its instance registry
+    in ``instances`` (in memory when ``None``);
     ``extra_routes`` and ``extra_lifespans`` join them."""
     pc_settings = pc_config or PCConfig()
     index = IndexService(
@@ -143,6 +156,7 @@ def create_control_app(
         pc_settings,
         scale_up=scale_up,
         sessions=sessions,
+        instances=instances,
     )
 
     @contextlib.asynccontextmanager
@@ -213,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         scale_up=hook,
         extra_lifespans=[*opened.lifespans, *stores.lifespans, closing(peers)],
         sessions=stores.sessions,
+        instances=stores.instances,
     )
     coordinator = coordinator_for(directive_token(args), SystemClock(), store=stores.shard_maps)
     app.router.routes.extend(reshard_routes(coordinator))

@@ -18,6 +18,8 @@ Layout, chosen so that no call scans the store:
 
 Each holder's records are counted (``holder_id`` → records), so that a put can refuse a
 holder's record beyond its quota in O(1); the count includes expired records not yet swept.
+Each holder's keys are indexed too (``holder_id`` → group → keys), so that withdrawing all
+records of a holder (an instance that failed or ended, spec §6.3) touches only its records.
 
 Identifier octets that repeat across records (compat and scope ids, holder ids) are interned, so
 a million records cost their records and a few small containers each, not copies of the ids.
@@ -55,6 +57,7 @@ class MemoryStore:
         self._heap: list[_HeapEntry] = []
         self._count = 0
         self._per_holder: dict[bytes, int] = {}
+        self._holder_keys: dict[bytes, dict[tuple[bytes, bytes], set[bytes]]] = {}
         self._interned: dict[bytes, bytes] = {}
         self._statuses: dict[str, tuple[InstanceStatusRecord, int]] = {}
         self._epochs: dict[str, int] = {}
@@ -81,6 +84,7 @@ class MemoryStore:
         if holder not in holders:
             self._count += 1
             self._per_holder[holder] = self._per_holder.get(holder, 0) + 1
+            self._holder_keys.setdefault(holder, {}).setdefault((compat, scope), set()).add(key)
         holders[holder] = (record, expires_ms)
         heapq.heappush(self._heap, (expires_ms, compat, scope, key, holder))
         if len(self._heap) > 2 * self._count + HEAP_SLACK:
@@ -127,8 +131,14 @@ class MemoryStore:
         left = self._per_holder[holder] - 1
         if left:
             self._per_holder[holder] = left
+            groups = self._holder_keys[holder]
+            keys = groups[(compat, scope)]
+            keys.discard(key)
+            if not keys:
+                del groups[(compat, scope)]
         else:
             del self._per_holder[holder]
+            del self._holder_keys[holder]
         if not holders:
             del group[key]
             if not group:
@@ -142,6 +152,22 @@ class MemoryStore:
     async def delete(self, compat_id: bytes, scope_id: bytes, key: bytes, holder_id: bytes) -> bool:
         """Remove one holder's record for a key; whether there was one."""
         return self._remove(compat_id, scope_id, key, holder_id, None)
+
+    async def delete_holder(self, holder_id: bytes, *, published_before: int | None = None) -> int:
+        """Remove every record of the holder ``holder_id`` (expired ones not yet swept
+        included), or only those last published (``expires_ms - ttl_ms``) before
+        ``published_before``; returns how many went. Linear in that holder's records only."""
+        groups = self._holder_keys.get(holder_id, {})
+        doomed = []
+        for (compat, scope), keys in groups.items():
+            group = self._groups[(compat, scope)]
+            for key in keys:
+                record, expires = group[key][holder_id]
+                if published_before is None or expires - record.ttl_ms < published_before:
+                    doomed.append((compat, scope, key))
+        for compat, scope, key in doomed:
+            self._remove(compat, scope, key, holder_id, None)
+        return len(doomed)
 
     async def lookup(
         self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], now_ms: int

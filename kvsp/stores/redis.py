@@ -366,6 +366,87 @@ class RedisStore:
         keys = self._group_keys(compat_id, scope_id)
         return bool(await self._eval("delete", keys, [compat_id.hex(), key, holder_id]))
 
+    async def delete_holder(self, holder_id: bytes, *, published_before: int | None = None) -> int:
+        """Remove every record of the holder ``holder_id`` (an instance that failed or
+        ended, spec §6.3), or only those last published (``expires_ms - ttl_ms``) before
+        ``published_before``; returns how many went.
+
+        Only the scopes in the holder's scope set (``P:{h:…}:s``) where it still counts
+        entries are visited; in each, the expiry zsets are scanned (``ZSCAN`` matching the
+        holder id, so Redis never blocks on a long scan) and the holder's entries removed by
+        the delete script, 1,000 to a pipeline. With a bound, the candidates' key values are
+        read first (one pipeline per 1,000) to learn when each was published."""
+        client = self._client()
+        with self._mapped():
+            self.round_trips += 1
+            scopes = sorted(
+                _text(s) for s in await client.smembers(self._holder_scopes_key(holder_id))
+            )
+        pattern = b"*" + _glob_escape(holder_id)
+        removed = 0
+        for scope_hex in scopes:
+            scope = bytes.fromhex(scope_hex)
+            base = self._base(scope)
+            with self._mapped():
+                self.round_trips += 2
+                if not await client.hget(f"{base}h", holder_id):
+                    continue
+                compats = sorted(_text(c) for c in await client.smembers(f"{base}c"))
+            for compat_hex in compats:
+                keys = self._group_keys(bytes.fromhex(compat_hex), scope)
+                with self._mapped():
+                    members = [
+                        bytes(m)
+                        async for m, _ in client.zscan_iter(keys[1], match=pattern, count=1000)
+                    ]
+                mine = [m[:32] for m in members if len(m) == 48 and m[32:] == holder_id]
+                if published_before is not None:
+                    mine = await self._published_before(
+                        keys[0], mine, holder_id, published_before, bytes.fromhex(compat_hex), scope
+                    )
+                for i in range(0, len(mine), SWEEP_CHUNK):
+                    calls: list[tuple[str, Sequence[Any], Sequence[Any]]] = [
+                        ("delete", keys, [compat_hex, key, holder_id])
+                        for key in mine[i : i + SWEEP_CHUNK]
+                    ]
+                    removed += sum(int(found) for found in await self._pipeline(calls))
+        return removed
+
+    async def _published_before(
+        self,
+        group: str,
+        keys: list[bytes],
+        holder_id: bytes,
+        bound: int,
+        compat: bytes,
+        scope: bytes,
+    ) -> list[bytes]:
+        """Those of ``keys`` whose entry of the holder was last published before ``bound``."""
+        client = self._client()
+        uncached = RecordCache(0)
+        out = []
+        for i in range(0, len(keys), SWEEP_CHUNK):
+            chunk = keys[i : i + SWEEP_CHUNK]
+            with self._mapped():
+                pipe = client.pipeline(transaction=False)
+                for key in chunk:
+                    pipe.hget(group, key)
+                self.round_trips += 1
+                values = await pipe.execute()
+            for key, value in zip(chunk, values, strict=True):
+                if value is None:
+                    continue
+                try:
+                    entries = live_entries(value, -1, key, compat, scope, uncached)
+                except ValueError as exc:
+                    raise StoreUnavailable(f"Redis store at {self.location}: {exc}") from exc
+                if any(
+                    holder_id_of(r.holder) == holder_id and expires - r.ttl_ms < bound
+                    for r, expires in entries
+                ):
+                    out.append(key)
+        return out
+
     async def lookup(
         self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], now_ms: int
     ) -> list[list[StoredReplica]]:
@@ -630,6 +711,11 @@ def _holders_of(groups: dict[tuple[bytes, bytes], list[bytes]], scope: bytes) ->
         if s == scope:
             found.update(dict.fromkeys(args[1::4]))
     return list(found)
+
+
+def _glob_escape(octets: bytes) -> bytes:
+    """``octets`` as a Redis glob pattern matching them literally."""
+    return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\^-" else bytes([c]) for c in octets)
 
 
 def _text(value: Any) -> str:

@@ -221,6 +221,7 @@ SCHEMAS: dict[str, Schema] = {
         {"site": _NULLABLE_LABEL, "zone": _NULLABLE_LABEL},
     ),
     "InstanceList": _object({"instances": _array(_ref("InstanceView"))}),
+    "WithdrawnAnswer": _object({"withdrawn": _uint()}),
     "PlaceRequest": _object(
         {
             "scope_id": _ref("Hex16"),
@@ -539,6 +540,19 @@ OPERATIONS: dict[tuple[str, str], Schema] = {
         "Live Replica Records and their octets per holder (admin)",
         {200: _json(_ref("HolderCensus"))},
     ),
+    ("DELETE", "/holders/{holder_id}/replicas"): _op(
+        "Withdraw every Replica Record of a holder (§6.1; for one failed or ended, §6.3)",
+        {200: _json(_ref("WithdrawnAnswer"))},
+        params=[
+            _param("holder_id", _ref("Hex16")),
+            _param(
+                "before",
+                {"type": "string", "pattern": "^(0|[1-9][0-9]{0,19})$"},
+                "query",
+                required=False,
+            ),
+        ],
+    ),
     ("POST", "/lookup"): _op(
         "Prefix lookup (§6.2), stopping at the first key without a replica",
         {200: _json(_ref("LookupResponse"))},
@@ -574,6 +588,16 @@ OPERATIONS: dict[tuple[str, str], Schema] = {
         (*_WITH_BODY, 409, 502),
         body="StateAnswer",
         params=[_param("instance_id", _ref("Hex16"))],
+    ),
+    ("DELETE", "/instances/{instance_id}"): _op(
+        "End an instance's epoch gracefully (§6.3): it leaves the registry, its replicas are "
+        "withdrawn and its sessions move (§6.8)",
+        {204: None},
+        (*_ALWAYS, 409),
+        params=[
+            _param("instance_id", _ref("Hex16")),
+            _param("epoch", {"type": "string", "pattern": "^(0|[1-9][0-9]{0,19})$"}, "query"),
+        ],
     ),
     ("POST", "/place"): _op(
         "Choose an instance (§6.4) and send it a prefetch directive (§6.5)",

@@ -103,6 +103,7 @@ _INDEX: dict[tuple[str, str], frozenset[str]] = {
     ("DELETE", _REPLICA): PUBLISH_RECORDS,
     ("POST", "/replicas"): PUBLISH_RECORDS,
     ("GET", "/replicas"): ADMIN_ONLY,
+    ("DELETE", "/holders/{holder_id}/replicas"): _allow(HOLDER, INSTANCE, RELAY, PC),
     ("POST", "/lookup"): LOOKUP,
     ("PUT", _STATUS): _allow(INSTANCE, PC),
 }
@@ -110,6 +111,7 @@ _PC: dict[tuple[str, str], frozenset[str]] = {
     ("PUT", _STATUS): _allow(INSTANCE),
     ("GET", "/instances"): _allow(PC),
     ("PUT", "/instances/{instance_id}/state"): _allow(PC),
+    ("DELETE", "/instances/{instance_id}"): _allow(INSTANCE),
     ("POST", "/place"): _allow(CLIENT, PC),
     ("PUT", "/sessions/{session}/checkpoint"): _allow(INSTANCE),
     ("GET", "/sessions/{session}"): _allow(CLIENT, PC, INSTANCE),

@@ -37,6 +37,8 @@ from tests.support.authz import (
     DIRECTIVES,
     ENVIRONMENTS,
     FRESH,
+    H_URI,
+    II_OTHER,
     II_URI,
     OTHER_DESCRIPTOR,
     ROLES,
@@ -205,6 +207,15 @@ INDEX_ROWS: dict[tuple[str, str], Row] = {
     ),
     ("GET", "/metrics"): Row(frozenset({"admin"}), 200, None, req("GET", "metrics")),
     ("GET", "/replicas"): Row(frozenset({"admin"}), 200, None, req("GET", "replicas")),
+    ("DELETE", "/holders/{holder_id}/replicas"): Row(  # own: the holder's; other: another's
+        frozenset({"holder", "pc", "admin"}),
+        200,
+        lambda role: 403 if role == "holder" else 200,
+        sided(
+            "DELETE",
+            lambda side: f"holders/{uri_id(H_URI if side == 'own' else II_OTHER)}/replicas",
+        ),
+    ),
 }
 IS_STATUS = Row(
     frozenset({"instance", "pc", "admin"}),
@@ -229,6 +240,12 @@ PC_ROWS: dict[tuple[str, str], Row] = {
     ),
     ("POST", "/place"): Row(
         frozenset({"client", "pc", "admin"}), 200, forbidden, req("POST", "place", json=_place)
+    ),
+    ("DELETE", "/instances/{instance_id}"): Row(  # own: the registered instance; other: unknown
+        frozenset({"instance", "admin"}),
+        204,
+        lambda role: 403 if role == "instance" else 404,
+        sided("DELETE", lambda side: f"instances/{uri_id(URIS[side])}?epoch=1"),
     ),
     ("GET", "/metrics"): INDEX_ROWS[("GET", "/metrics")],
 }

@@ -58,7 +58,8 @@ def drain(cluster: Any, *names: str) -> None:
     for name in names:
         answer = cluster.set_state(name, "draining")
         assert answer.status_code == 200, answer.text
-        assert answer.json() == {"state": "draining"}
+        # an idle instance reports sleeping at once, often before the PC has its answer
+        assert answer.json()["state"] in ("draining", "sleeping"), answer.text
     for name in names:
         eventually(
             lambda name=name: cluster.row(name)["reported_state"] == "sleeping" or None,

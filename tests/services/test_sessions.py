@@ -456,7 +456,7 @@ def test_failover_moves_a_session_to_a_new_instance_at_the_next_epoch(tmp_path: 
         control.clock.advance(2_000)
         await control.report_now(B, C)  # B and C stay live, A does not
         control.clock.advance(1_500)
-        assert control.pc.sweep() == (A,)
+        assert await control.pc.sweep() == (A,)
         assert await control.pc.sessions.recover() == 1
         await control.pc.sessions.wait_moves()
 
@@ -492,7 +492,7 @@ def test_failover_without_instances_fails_the_session_at_the_deadline(
 
     async def fail_a() -> None:
         control.clock.advance(3_000)
-        control.pc.sweep()
+        await control.pc.sweep()
         await control.pc.sessions.recover()
         # The move found no instance, backed off and asked again: the deadline is what it waits on.
         await until(lambda: len(choices) >= 3, what="three tries to find an instance")
@@ -519,7 +519,7 @@ def test_a_session_without_a_checkpoint_fails_at_once(tmp_path: Path) -> None:
         control.clock.advance(2_000)
         await control.report_now(B if placed_at == A else A)
         control.clock.advance(1_500)
-        control.pc.sweep()
+        await control.pc.sweep()
         await control.pc.sessions.recover()
         await control.pc.sessions.wait_moves()
 

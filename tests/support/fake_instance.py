@@ -2,7 +2,8 @@
 can kill one without the other:
 
 * ``serve --log FILE``: the instance's HTTP face. ``POST prefetch`` answers 202 with a
-  ``Location`` (§6.5) and ``PUT state`` answers ``{"state"}`` (§6.3); each request is appended
+  ``Location`` (§6.5), ``PUT state`` answers ``{"state"}`` (§6.3) and ``POST
+  sessions/{session}/resume`` answers 200 (§6.8); each request is appended
   to FILE as one JSON line ``{"kind", "body", "authorization"}``.
 * ``report --pc URL --token-file F --instance URI [--link HOLDER=MBIT ...]``: PUTs an Instance
   Status Record to the PC every ``ttl_ms / 3`` (§6.3), and writes the ready file after the
@@ -50,10 +51,15 @@ def _app(log: Path) -> Starlette:
         record("state", body, request)
         return JSONResponse({"state": body["state"]})
 
+    async def resume(request: Request) -> Response:
+        record("resume", await request.json(), request)
+        return JSONResponse({"session": request.path_params["session"]})
+
     return Starlette(
         routes=[
             Route("/prefetch", prefetch, methods=["POST"]),
             Route("/state", state, methods=["PUT"]),
+            Route("/sessions/{session}/resume", resume, methods=["POST"]),
         ]
     )
 

@@ -7,6 +7,11 @@ with ``holder_id = uri_id(holder)``):
 ======= =================================== ==================================================
 PUT     ``R``                               publish/refresh → 200 ``{"ttl_ms": granted}``
 DELETE  ``R``                               withdraw → 204 (404 when there is none)
+DELETE  ``holders/{holder_id}/replicas`` withdraw every record of the holder (``?before=MS``:
+                                            only those last published before MS) → 200
+                                            ``{"withdrawn": N}`` (the holder itself, pc,
+                                            admin; the PC calls it for an instance it declared
+                                            failed or that ended its epoch, §6.3)
 POST    ``replicas`` ``{"records": [...]}`` → 200 ``{"results": [{"ok": true, "ttl_ms": n} |
                                             {"ok": false, "problem": {RFC 9457}}, ...]}``
 POST    ``lookup``                          → 200 the §6.2 answer (compact on request)
@@ -139,12 +144,27 @@ class PrincipalCaller:
         p = self.principal
         return auth.has_role(p, "admin") or any(holder_id_of(h) == holder_id for h in p.holders)
 
+    def may_withdraw_any_holder(self) -> bool:
+        """Whether the principal may withdraw all records of any holder (pc, admin)."""
+        return auth.has_role(self.principal, "pc") or auth.has_role(self.principal, "admin")
+
     def may_report_for(self, instance: str) -> bool:
         """Whether the principal may report ``instance``'s status."""
         p = self.principal
         if auth.has_role(p, "pc"):
             return True
         return auth.has_role(p, "instance") and auth.may_publish_for(p, instance)
+
+
+def _uint_param(text: str, name: str) -> int:
+    """A decimal uint64 query parameter.
+
+    Raises:
+        BadRequest: anything else (``path`` names the parameter).
+    """
+    if not (text.isascii() and text.isdigit()) or len(text) > 20 or int(text) >= 1 << 64:
+        raise BadRequest(f"{name} must be a decimal integer in 0..2^64-1", path=name)
+    return int(text)
 
 
 def _caller(request: Request) -> PrincipalCaller:
@@ -192,6 +212,14 @@ class _IndexEndpoints:
         if not await self.index.withdraw(caller, path):
             raise NotFound("no such replica record")
         return Response(status_code=204)
+
+    async def withdraw_holder(self, request: Request) -> Response:
+        caller = _caller(request)
+        holder_id = parse_hex16(request.path_params["holder_id"], path="holder_id")
+        before = request.query_params.get("before")
+        bound = None if before is None else _uint_param(before, "before")
+        withdrawn = await self.index.withdraw_holder(caller, holder_id, published_before=bound)
+        return kvsp_json({"withdrawn": withdrawn})
 
     async def publish_batch(self, request: Request) -> Response:
         caller = _caller(request)
@@ -244,6 +272,7 @@ def index_routes(index: IndexService, config: IndexConfig, clock: Clock) -> list
         Route(replica, ep.put_replica, methods=["PUT"]),
         Route(replica, ep.delete_replica, methods=["DELETE"]),
         Route("/replicas", ep.publish_batch, methods=["POST"]),
+        Route("/holders/{holder_id}/replicas", ep.withdraw_holder, methods=["DELETE"]),
         Route("/lookup", ep.lookup, methods=["POST"]),
         Route("/instances/{instance_id}/status", ep.put_status, methods=["PUT"]),
         Route("/healthz", healthz, methods=["GET"]),
@@ -414,8 +443,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--store",
         default="memory",
         metavar="URL",
-        help="where replica records live: memory (default: in this process) or "
-        "redis://HOST:PORT/DB[?prefix=NAME], shared by every IS process using it",
+        help="where replica records (with kvsp serve control also the PC's instance registry, "
+        "sessions and shard maps) live: memory (default: in this process) or "
+        "redis://HOST:PORT/DB[?prefix=NAME], shared by every process using it",
     )
 
 

@@ -99,14 +99,17 @@ class IndexClient(BaseClient):
         response = await self._request("DELETE", path, accept_404=True)
         return response.status_code != 404
 
-    async def withdraw_holder(self, holder: str) -> int:
-        """DELETE every Replica Record of ``holder`` (its leaving, §6.1); returns how many the
-        IS withdrew.
+    async def withdraw_holder(self, holder: str, *, published_before: int | None = None) -> int:
+        """DELETE every record of ``holder`` (``holders/{uri_id}/replicas``), or only those
+        last published before ``published_before`` (ms); how many went.
 
         Raises:
-            KVSPError: as the server answered (403 for another holder's records, ...).
+            KVSPError: as the server answered (403 for another holder without role pc, ...).
         """
-        answer = await self._request_json("DELETE", f"holders/{uri_id(holder)}/replicas")
+        path = f"holders/{uri_id(holder)}/replicas"
+        if published_before is not None:
+            path += f"?before={published_before}"
+        answer = await self._request_json("DELETE", path)
         return decode_answer(_withdrawn, answer)
 
     async def lookup(self, request: LookupRequest) -> LookupResponse:

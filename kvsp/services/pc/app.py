@@ -10,6 +10,11 @@ PUT     ``instances/{instance_id}/status``  Instance Status Record → 200 ``{"s
 GET     ``instances``                     → 200 ``{"instances": [view, ...]}``; roles pc, admin
 PUT     ``instances/{instance_id}/state`` ``{"state"}`` → 200 ``{"state"}``, forwarded to the
                                           instance first; roles pc, admin
+DELETE  ``instances/{instance_id}?epoch=E`` end the epoch gracefully → 204; the entry leaves
+                                          the registry, its replicas are withdrawn at the
+                                          IS, its sessions move (§6.8); 409
+                                          ``kvsp-stale-epoch`` for a lower epoch; roles
+                                          instance (for itself), admin
 POST    ``place``                         PlaceRequest → 200 PlaceResponse, or 503
                                           ``kvsp-not-active`` with ``Retry-After``; roles
                                           client, pc, admin, authorized for the scope; with
@@ -57,7 +62,7 @@ from kvsp.errors import (
     ScaleUpFailed,
     StaleEpoch,
 )
-from kvsp.fields import Fields
+from kvsp.fields import UINT64_MAX, Fields
 from kvsp.ids import parse_hex16
 from kvsp.index import holder_id_of
 from kvsp.lifecycle import InstanceRegistry, SleepPolicy
@@ -85,6 +90,7 @@ from kvsp.services.pc.service import (
 )
 from kvsp.services.pc.sessions import SessionSettings, session_routes
 from kvsp.stores.descriptors import DescriptorRegistry
+from kvsp.stores.instances import InstanceStore
 from kvsp.stores.sessions import SessionStore
 from kvsp.stores.shardmaps import ShardMapStore
 from kvsp.web import auth
@@ -141,15 +147,27 @@ class _PCEndpoints:
 
     async def list_instances(self, request: Request) -> Response:
         principal_of(request)
+        await self.pc.refresh()
         return kvsp_json({"instances": [v.to_json() for v in self.pc.list_instances()]})
 
     async def put_state(self, request: Request) -> Response:
         principal_of(request)
         instance_id = parse_hex16(request.path_params["instance_id"], path="instance_id")
         body = StateAnswer.from_json(await read_json(request, STATUS_BODY_LIMIT))
-        instance = self.pc.instance_uri(instance_id)
+        instance = await self.pc.instance_uri(instance_id)
         state = await self.pc.set_state(instance, body.state)
         return kvsp_json(StateAnswer(state=state).to_json())
+
+    async def end_epoch(self, request: Request) -> Response:
+        principal = principal_of(request)
+        instance_id = parse_hex16(request.path_params["instance_id"], path="instance_id")
+        epoch = _epoch_param(request)
+        # Checked on the id, before the lookup: a 404 would tell others which instances exist.
+        mine = any(holder_id_of(h) == instance_id for h in principal.holders)
+        if not (mine or auth.has_role(principal, "admin")):
+            raise Forbidden(f"principal {principal.name!r} may not end this instance's epoch")
+        await self.pc.end_epoch(await self.pc.instance_uri(instance_id), epoch)
+        return Response(status_code=204)
 
     async def place(self, request: Request) -> Response:
         principal = principal_of(request)
@@ -166,6 +184,16 @@ class _PCEndpoints:
         return kvsp_json(answer.to_json())
 
 
+def _epoch_param(request: Request) -> int:
+    """The ``epoch`` query parameter: a decimal uint64."""
+    text = request.query_params.get("epoch")
+    if text is None:
+        raise BadRequest("name the epoch to end (?epoch=E)", path="epoch")
+    if not (text.isascii() and text.isdigit()) or len(text) > 20 or int(text) > UINT64_MAX:
+        raise BadRequest("epoch must be a decimal integer in 0..2^64-1", path="epoch")
+    return int(text)
+
+
 async def healthz(request: Request) -> Response:
     """Liveness: answers without a token and says nothing about the contents."""
     return kvsp_json({"status": "ok"})
@@ -179,6 +207,7 @@ def pc_routes(pc: PlacementController, *, with_healthz: bool = True) -> list[Bas
         Route("/instances/{instance_id}/status", ep.put_status, methods=["PUT"]),
         Route("/instances", ep.list_instances, methods=["GET"]),
         Route("/instances/{instance_id}/state", ep.put_state, methods=["PUT"]),
+        Route("/instances/{instance_id}", ep.end_epoch, methods=["DELETE"]),
         Route("/place", ep.place, methods=["POST"]),
         *session_routes(pc.sessions),
     ]
@@ -194,7 +223,7 @@ async def sweep_forever(pc: PlacementController) -> None:
         await asyncio.sleep(pc.config.status_sweep_ms / 1000)
         raise_if_cancelling()
         try:
-            pc.sweep()
+            await pc.sweep()
             await pc.sessions.recover()
             await pc.sessions.expire()
         except Exception:
@@ -317,6 +346,11 @@ class RemoteIndex:
         """PUT the record to the IS (it discards a lower epoch with 409, which is fine)."""
         with contextlib.suppress(StaleEpoch):
             await self._client.put_status(record)
+
+    async def withdraw_holder(self, holder: str, *, published_before: int | None = None) -> int:
+        """DELETE the records of ``holder`` at the IS (as role pc; those published before
+        ``published_before`` only, when given); how many went."""
+        return await self._client.withdraw_holder(holder, published_before=published_before)
 
     async def descriptor(self, compat_id: bytes) -> CompatibilityDescriptor | None:
         """The local descriptor, else the IS's."""
@@ -586,8 +620,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--store",
         default="memory",
         metavar="URL",
-        help="where sessions and shard maps live: memory (default: in this process) or "
-        "redis://HOST:PORT/DB[?prefix=NAME], shared by every PC process using it",
+        help="where the instance registry, sessions and shard maps live: memory (default: in "
+        "this process) or redis://HOST:PORT/DB[?prefix=NAME], shared by every PC process using it",
     )
     add_epoch_skew_argument(parser)  # kvsp serve control has it from the IS's options
     add_pc_arguments(parser)
@@ -645,9 +679,10 @@ def build_controller(
     peers: HttpInstancePeers,
     clock: Clock,
     sessions: SessionStore | None = None,
+    instances: InstanceStore | None = None,
 ) -> PlacementController:
-    """The controller the options describe, over ``index`` (and ``sessions``: in memory when
-    ``None``).
+    """The controller the options describe, over ``index`` (and ``sessions`` and
+    ``instances``: in memory when ``None``).
 
     Raises:
         BadRequest: an unparsable ``--scale-up-hook`` command.
@@ -656,24 +691,33 @@ def build_controller(
     policy = SleepPolicy(threshold_load=config.sleep_threshold, min_low_ms=config.sleep_after_ms)
     hook = None if args.scale_up_hook is None else scale_up_hook(args.scale_up_hook)
     return PlacementController(
-        InstanceRegistry(policy), index, peers, clock, config, scale_up=hook, sessions=sessions
+        InstanceRegistry(policy),
+        index,
+        peers,
+        clock,
+        config,
+        scale_up=hook,
+        sessions=sessions,
+        instances=instances,
     )
 
 
 @dataclass(frozen=True, slots=True)
 class PCStores:
-    """The PC's session and shard map stores ``--store`` names (``None``: in this process's
-    memory) and the lifespans that close them."""
+    """The PC's session, shard map and instance stores ``--store`` names (``None``: in this
+    process's memory) and the lifespans that close them."""
 
     sessions: SessionStore | None
     shard_maps: ShardMapStore | None
     lifespans: tuple[Lifespan, ...]
+    instances: InstanceStore | None = None
 
 
 def open_pc_stores(url: str) -> PCStores:
     """The PC stores of ``--store``: in memory for ``memory``; for ``redis://…`` the Redis ones
-    (:mod:`kvsp.stores.redis_sessions`, :mod:`kvsp.stores.redis_shardmaps`), so that every PC
-    process on that Redis shares sessions and shard maps.
+    (:mod:`kvsp.stores.redis_sessions`, :mod:`kvsp.stores.redis_shardmaps`,
+    :mod:`kvsp.stores.redis_instances`), so that every PC process on that Redis shares
+    sessions, shard maps and the instance registry.
 
     Raises:
         BadRequest: a bad URL, or the ``redis`` package is not installed.
@@ -683,6 +727,7 @@ def open_pc_stores(url: str) -> PCStores:
         return PCStores(None, None, ())
     try:
         from kvsp.stores.redis import RedisStore
+        from kvsp.stores.redis_instances import RedisInstanceStore
         from kvsp.stores.redis_sessions import RedisSessionStore
         from kvsp.stores.redis_shardmaps import RedisShardMaps
     except ModuleNotFoundError as exc:
@@ -691,6 +736,7 @@ def open_pc_stores(url: str) -> PCStores:
         raise BadRequest("--store redis://… needs the redis package (kvsp[redis])") from None
     RedisStore.from_url(url).check_reachable()  # a clear error now rather than a failing request
     sessions, maps = RedisSessionStore.from_url(url), RedisShardMaps.from_url(url)
+    instances = RedisInstanceStore.from_url(url)
 
     @contextlib.asynccontextmanager
     async def close() -> AsyncIterator[None]:
@@ -699,8 +745,9 @@ def open_pc_stores(url: str) -> PCStores:
         finally:
             await sessions.aclose()
             await maps.aclose()
+            await instances.aclose()
 
-    return PCStores(sessions, maps, (close,))
+    return PCStores(sessions, maps, (close,), instances)
 
 
 def closing(*clients: HttpInstancePeers | BaseClient) -> Lifespan:
@@ -735,7 +782,9 @@ def run(args: argparse.Namespace) -> int:
     peers = HttpInstancePeers(directive_token(args))
     client = IndexClient(args.index, index_token)
     stores = open_pc_stores(args.store)
-    pc = build_controller(args, RemoteIndex(client, registry), peers, clock, stores.sessions)
+    pc = build_controller(
+        args, RemoteIndex(client, registry), peers, clock, stores.sessions, stores.instances
+    )
     lifespans = [closing(peers, client), *stores.lifespans]
     app = create_pc_app(pc, principals=principals, clock=clock, extra_lifespans=lifespans)
     coordinator = coordinator_for(directive_token(args), clock, store=stores.shard_maps)

@@ -1,9 +1,14 @@
 """The Placement Controller (spec §6.3 status and lifecycle at the PC, §6.4 placement, §6.5
 issuing prefetch directives; DESIGN.md §1 and §3 ``place``).
 
-:class:`PlacementController` holds the instance table (:class:`~kvsp.lifecycle.InstanceRegistry`)
-and decides; everything it does to the outside world goes through small injected objects, so
-tests drive it with in-process fakes and a manual clock:
+:class:`PlacementController` keeps the instance table in an instance store
+(:mod:`kvsp.stores.instances`: in this process, or in Redis shared by every PC on it) and
+decides; each status record, state order, expiry and ended epoch is one atomic step on the
+stored entry, so PCs sharing a store agree on every instance and an expiry is declared (and
+its sessions moved, its replicas withdrawn) by exactly one of them. Its :attr:`registry` is
+this process's copy of the table, read in one round trip before each placement or listing.
+Everything it does to the outside world goes through small injected objects, so tests drive
+it with in-process fakes and a manual clock:
 
 * :class:`IndexAccess` finds replica records and takes status records: the in-process IS in
   ``kvsp serve control`` (:class:`kvsp.services.control.LocalIndex`), an IS client when the PC
@@ -27,6 +32,10 @@ Choices the spec leaves open, made here:
   and sending it the directive; the PC does not hold the request open for an instance start,
   which can take minutes. The retry finds the instance registered with its blocks loading or
   loaded. One start runs at a time; requests meanwhile get the same 503 naming it.
+* **Replicas of a lost instance** (§6.1, §6.3): an instance declared failed (expiry, or a
+  restart ending its epoch) or that ended its epoch has every replica record it published as
+  a holder withdrawn at the IS at once (:meth:`IndexAccess.withdraw_holder`), rather than left
+  to expire, so no placement plans a fetch from it meanwhile.
 * **Sessions** (§6.8) live in :attr:`PlacementController.sessions`
   (:mod:`kvsp.services.pc.sessions`): ``place`` with ``session`` creates the record at the
   chosen instance, and every instance found failed (:meth:`PlacementController.sweep`, or a
@@ -55,7 +64,18 @@ from kvsp.errors import (
     UpstreamError,
 )
 from kvsp.index import holder_id_of
-from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS, InstanceRegistry, check_transition
+from kvsp.lifecycle import (
+    DEFAULT_MAX_EPOCH_SKEW_MS,
+    Accepted,
+    InstanceEntry,
+    InstanceRegistry,
+    accept_status,
+    apply_order,
+    cancel_order,
+    end_epoch,
+    expire_entry,
+    order_state,
+)
 from kvsp.placement import AssumedLink, PlacementDecision, choose_instance
 from kvsp.placement_plan import (
     DirectiveOptions,
@@ -75,6 +95,7 @@ from kvsp.records import (
 from kvsp.records_session import ResumeRequest, SessionCheckpoint
 from kvsp.registries import InstanceState
 from kvsp.services.pc.sessions import SessionService, SessionSettings
+from kvsp.stores.instances import InstanceStore, MemoryInstanceStore
 from kvsp.stores.sessions import MemorySessionStore, SessionStore
 from kvsp.web.clock import Clock
 
@@ -138,6 +159,12 @@ class IndexAccess(Protocol):
 
     async def descriptor(self, compat_id: bytes) -> CompatibilityDescriptor | None:
         """The descriptor of ``compat_id`` (for ``block_tokens`` and ``layers``), if known."""
+        ...
+
+    async def withdraw_holder(self, holder: str, *, published_before: int | None = None) -> int:
+        """Withdraw every replica record of ``holder`` (an instance the PC declared failed or
+        that ended its epoch, §6.3), or only those last published before ``published_before``
+        (ms); how many went."""
         ...
 
 
@@ -285,8 +312,14 @@ class PlacementController:
         scale_up: ScaleUpHook | None = None,
         new_id: Callable[[], uuid.UUID] = uuid.uuid4,
         sessions: SessionStore | None = None,
+        instances: InstanceStore | None = None,
     ) -> None:
         self.registry = registry
+        """This process's copy of the instance table: the table itself over the memory store,
+        else refreshed from the shared store before each read (one round trip)."""
+        self.instances: InstanceStore = (
+            instances if instances is not None else MemoryInstanceStore(registry)
+        )
         self.config = config
         self.service_times = ObservedServiceTimes(
             prior_us=config.service_prior_us, alpha=config.service_alpha
@@ -308,14 +341,25 @@ class PlacementController:
         )
         self.directives_sent = 0  # accepted (202) by their instance; for metrics
         self.directives_failed = 0  # refused or unreachable; for metrics
+        self.replicas_withdrawn = 0  # records of failed or ended instances withdrawn; for tests
 
     # --- §6.3 status and lifecycle -------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Bring :attr:`registry` up to date with a shared instance store (one round trip);
+        nothing to do over the memory store, whose table it is."""
+        store = self.instances
+        if isinstance(store, MemoryInstanceStore) and store.registry is self.registry:
+            return
+        self.registry.load(await store.entries())
 
     async def put_status(self, record: InstanceStatusRecord) -> StateAnswer:
         """Take an instance's status record and answer with the PC's state for it (§6.3).
 
-        Accepted records are forwarded to the IS; a failure to forward is logged, since the IS
-        only uses them for estimates and the next record will try again.
+        The decision (:func:`kvsp.lifecycle.accept_status`) is taken on the stored entry in one
+        atomic step, so PCs sharing a store never lose an update. Accepted records are
+        forwarded to the IS; a failure to forward is logged, since the IS only uses them for
+        estimates and the next record will try again.
 
         Raises:
             StaleEpoch: a lower epoch than seen, or the epoch of an instance declared failed.
@@ -324,9 +368,14 @@ class PlacementController:
                 than ``max_epoch_skew_ms``.
         """
         now = self._clock.now_ms()
-        accepted = self.registry.accept_status(
-            record, now, max_epoch_skew_ms=self.config.max_epoch_skew_ms
-        )
+        policy, skew = self.registry.policy, self.config.max_epoch_skew_ms
+
+        def decide(
+            entry: InstanceEntry[InstanceStatusRecord] | None,
+        ) -> tuple[InstanceEntry[InstanceStatusRecord], Accepted]:
+            return accept_status(entry, record, now, policy, max_epoch_skew_ms=skew)
+
+        accepted = await self.instances.update(record.instance, decide)
         self._ids[holder_id_of(record.instance)] = record.instance
         if accepted.poisoned_epoch is not None:
             _log.warning(
@@ -341,6 +390,13 @@ class PlacementController:
         if accepted.ended_epoch is not None:
             _log.warning("%s restarted; epoch %d ended", record.instance, accepted.ended_epoch)
             self.sessions.instance_failed(record.instance)  # its sessions died with it
+            # Only the old incarnation's records: the new one may have published before its
+            # first status. Its epoch is its start time when epochs are clock times (as this
+            # implementation's are); else the last record of the old epoch bounds them.
+            heard = accepted.ended_heard_ms if accepted.ended_heard_ms is not None else now
+            await self._withdraw(
+                record.instance, published_before=min(now, max(heard, record.epoch))
+            )
         self.service_times.on_status(record, now)
         try:
             await self._index.put_status(record, now)
@@ -348,29 +404,99 @@ class PlacementController:
             _log.warning("forwarding the status of %s to the IS failed: %s", record.instance, exc)
         return StateAnswer(state=accepted.state)
 
-    def sweep(self) -> tuple[str, ...]:
-        """Mark instances whose record expired as failed (§6.3); returns them."""
-        failed = self.registry.expire(self._clock.now_ms())
+    async def sweep(self) -> tuple[str, ...]:
+        """Mark instances whose record expired as failed (§6.3), withdraw their replicas at
+        the IS and start moving their sessions (§6.8); returns them.
+
+        Each mark is a compare-and-set on the stored entry: of PCs sweeping one store at once,
+        exactly one marks a given instance failed and acts on it.
+        """
+        now = self._clock.now_ms()
+        await self.refresh()
+        due = [e.instance for e in self.registry.all_entries() if expire_entry(e, now)]
+        failed = []
+        for name in due:
+
+            def decide(
+                entry: InstanceEntry[InstanceStatusRecord] | None,
+            ) -> tuple[InstanceEntry[InstanceStatusRecord] | None, bool]:
+                new = None if entry is None else expire_entry(entry, now)
+                return (entry, False) if new is None else (new, True)
+
+            if await self.instances.update(name, decide):
+                failed.append(name)
         for name in failed:
             self.service_times.forget(name)
             self.sessions.instance_failed(name)  # §6.8: its sessions move elsewhere
             _log.warning("%s failed: its status record expired", name)
-        return failed
+            await self._withdraw(name)
+        if failed:
+            await self.refresh()
+        return tuple(failed)
 
-    def instance_uri(self, instance_id: bytes) -> str:
-        """The URI of the instance named by ``uri_id`` octets in a path.
+    async def _withdraw(self, instance: str, *, published_before: int | None = None) -> None:
+        """Withdraw the replicas the instance published as a holder (§6.1; before
+        ``published_before`` only, when given): its blocks died with it, or went with its
+        epoch; a failure is logged (their TTLs end them anyway)."""
+        try:
+            gone = await self._index.withdraw_holder(instance, published_before=published_before)
+        except KVSPError as exc:
+            _log.warning("withdrawing the replicas of %s failed: %s", instance, exc)
+            return
+        self.replicas_withdrawn += gone
+        if gone:
+            _log.info("withdrew %d replica records of %s", gone, instance)
+
+    async def end_epoch(self, instance: str, epoch: int) -> None:
+        """End ``instance``'s ``epoch`` gracefully (its shutdown, or an operator's): it leaves
+        the table (not listed, not placed on, never reported failed), its replicas are
+        withdrawn at the IS and its sessions, if any remain, move as after a failure (§6.8).
+        A record with a higher epoch registers it again.
+
+        Raises:
+            NotFound: no such instance (or its epoch ended already).
+            StaleEpoch: ``epoch`` is lower than the PC's epoch of it.
+        """
+
+        def decide(
+            entry: InstanceEntry[InstanceStatusRecord] | None,
+        ) -> tuple[InstanceEntry[InstanceStatusRecord], InstanceEntry[InstanceStatusRecord]]:
+            ended = end_epoch(entry, instance, epoch)
+            return ended, entry if entry is not None else ended
+
+        before = await self.instances.update(instance, decide)
+        self.service_times.forget(instance)
+        if before.state is not InstanceState.FAILED:
+            self.sessions.instance_failed(instance)  # §6.8: any left move elsewhere
+        _log.warning("%s ended epoch %d", instance, epoch)
+        await self._withdraw(instance)
+        await self.refresh()
+
+    async def instance_uri(self, instance_id: bytes) -> str:
+        """The URI of the instance named by ``uri_id`` octets in a path (one that reported to
+        this PC, or to any PC sharing its store).
 
         Raises:
             NotFound: no instance with that id ever reported.
         """
         uri = self._ids.get(bytes(instance_id))
         if uri is None:
+            await self.refresh()
+            for entry in self.registry.all_entries():
+                self._ids[holder_id_of(entry.instance)] = entry.instance
+            uri = self._ids.get(bytes(instance_id))
+        if uri is None:
             raise NotFound(f"no instance {bytes(instance_id).hex()}")
         return uri
 
     async def set_state(self, instance: str, state: InstanceState) -> InstanceState:
-        """Change an instance's state on an operator's order: check the transition table,
-        forward ``PUT state`` to the instance, then record it (§6.3).
+        """Change an instance's state on an operator's order: check the transition table and
+        note the order, forward ``PUT state`` to the instance, then record the move (§6.3).
+
+        The order is noted before it is sent, so that a status record the instance sends
+        after taking it (which may reach the PC before the answer does) is read as the
+        order's outcome, not refused as a move the instance may not make; an instance that
+        went on from the ordered state by itself (draining → sleeping) keeps its state.
 
         Raises:
             NotFound: the instance never reported.
@@ -378,27 +504,45 @@ class PlacementController:
             TransportError: the instance could not be reached (502); nothing changes.
             UpstreamError: the instance answered with an error (502); nothing changes.
         """
-        current = self.registry.state_of(instance, self._clock.now_ms())
-        if current is None:
-            raise NotFound(f"unknown instance {instance}")
-        if current is not state:
-            check_transition(current, state, by="pc")
+        now = self._clock.now_ms()
+
+        def order(
+            entry: InstanceEntry[InstanceStatusRecord] | None,
+        ) -> tuple[InstanceEntry[InstanceStatusRecord], None]:
+            return order_state(entry, instance, state, now), None
+
+        def cancel(
+            entry: InstanceEntry[InstanceStatusRecord] | None,
+        ) -> tuple[InstanceEntry[InstanceStatusRecord] | None, None]:
+            return cancel_order(entry, state) or entry, None
+
+        await self.instances.update(instance, order)
         try:
             await self._peers.put_state(instance, state)
         except KVSPError as exc:
+            await self.instances.update(instance, cancel)
             if exc.status == 502:
                 raise
             raise UpstreamError(f"{instance} refused state {state}: {exc}") from exc
-        # Re-checked by the registry: the instance may have failed while we waited.
-        return self.registry.set_state(instance, state, self._clock.now_ms())
+        done = self._clock.now_ms()
+
+        def apply(
+            entry: InstanceEntry[InstanceStatusRecord] | None,
+        ) -> tuple[InstanceEntry[InstanceStatusRecord], InstanceState]:
+            # Re-checked: the instance may have failed while we waited.
+            new = apply_order(entry, instance, state, done)
+            return new, new.state
+
+        return await self.instances.update(instance, apply)
 
     def list_instances(self) -> list[InstanceView]:
-        """Every known instance, by URI, with the state as of now (expired = failed)."""
+        """Every known instance, by URI, with the state as of now (expired = failed), from this
+        process's copy of the table (:meth:`refresh` it first for the shared store's)."""
         now = self._clock.now_ms()
         views = []
         for entry in self.registry.entries():
             record = entry.record
-            state = self.registry.state_of(entry.instance, now) or entry.state
+            state = entry.state_at(now)
             measured = self.service_times.measured(entry.instance)
             views.append(
                 InstanceView(
@@ -445,7 +589,7 @@ class PlacementController:
         options = options or DirectiveOptions()
         if request.session is not None and await self.sessions.exists(request.session):
             raise Conflict(f"session {request.session} exists", path="$.session")
-        self.sweep()
+        await self.sweep()  # reads the instance table once (and refreshes after a failure)
         replicas: Sequence[Sequence[ReplicaRecord]] = ()
         if request.block_keys:
             lookup = LookupRequest(
@@ -490,7 +634,7 @@ class PlacementController:
         Raises:
             KVSPError: the IS could not be asked.
         """
-        self.sweep()
+        await self.sweep()  # reads the instance table once (and refreshes after a failure)
         descriptor = await self._index.descriptor(checkpoint.compat_id)
         b = 1 if descriptor is None else descriptor.block_tokens
         keys = checkpoint.prompt_blocks if descriptor is not None else ()

@@ -350,9 +350,9 @@ def test_failure_by_expiry_and_return_with_a_new_epoch() -> None:
     s = Setup()
     s.report(status(A, epoch=7, ttl_ms=3_000))
     s.clock.advance(2_999)
-    assert s.pc.sweep() == ()
+    assert run(s.pc.sweep()) == ()
     s.clock.advance(1)
-    assert s.pc.sweep() == (A,)
+    assert run(s.pc.sweep()) == (A,)
     [view] = s.pc.list_instances()
     assert (view.state, view.epoch, view.age_ms) == (FAILED, 7, 3_000)
     with pytest.raises(StaleEpoch):

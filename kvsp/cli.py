@@ -298,7 +298,11 @@ def _add_generate_command(sub: Any) -> None:
     model.add_argument("--compat-id", metavar="HEX32", help="read the descriptor from the PC")
     scope = p.add_mutually_exclusive_group(required=True)
     scope.add_argument("--scope-key-file", type=Path, metavar="FILE", help="scope key (hex)")
-    scope.add_argument("--scope-id", metavar="HEX16", help="the scope, when its key is not at hand")
+    scope.add_argument(
+        "--scope-id",
+        metavar="HEX16",
+        help="the scope, when its key is not at hand (no Block Keys: no cached block is found)",
+    )
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="text, as UTF-8 byte tokens")
     prompt.add_argument("--tokens", metavar="1,2,3", help="token ids")

@@ -91,14 +91,18 @@ def _token(p: argparse.ArgumentParser) -> None:
 
 
 def _pc(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pc", required=True, metavar="URL", help="the PC (or kvsp serve control)")
+    from kvsp.web.failover import add_url_list_argument
+
+    add_url_list_argument(p, "--pc", required=True, help="the PC (or kvsp serve control)")
 
 
 def _index(p: argparse.ArgumentParser, *, required: bool) -> None:
-    p.add_argument(
+    from kvsp.web.failover import add_url_list_argument
+
+    add_url_list_argument(
+        p,
         "--index",
         required=required,
-        metavar="URL",
         help="the Index Service" + ("" if required else " (default: --pc, as kvsp serve control)"),
     )
 
@@ -395,7 +399,7 @@ async def _look_up(args: argparse.Namespace, index: Any) -> tuple[Any, Any, Look
 # --- replicas, holders -----------------------------------------------------------------------
 
 
-def _index_client(args: argparse.Namespace, base: str) -> Any:
+def _index_client(args: argparse.Namespace, base: list[str]) -> Any:
     from kvsp.services.index.client import IndexClient
 
     return IndexClient(base, _read_text(args.token_file, "--token-file"))

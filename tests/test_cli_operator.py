@@ -47,3 +47,21 @@ def test_model_init_writes_the_descriptor_compat_id_reads(
     assert json.loads(capsys.readouterr().out) == written
     assert main(["compat-id", str(folder / "descriptor.json")]) == 0
     assert len(bytes.fromhex(capsys.readouterr().out.strip())) == 32
+
+
+def test_generate_with_a_scope_id_alone_says_that_no_cached_block_can_be_found(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without the scope key there are no Block Keys (§4.2): placement asks for none, which
+    used to pass silently."""
+    token = tmp_path / "token"
+    token.write_text("t\n", encoding="ascii")
+    code = main(
+        [
+            *("generate", "--pc", "http://127.0.0.1:9/", "--token-file", str(token)),
+            *("--compat-id", "ab" * 32, "--scope-id", "cd" * 16, "--prompt", "hi"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1  # nothing listens at the PC
+    assert "--scope-id without the scope key" in err and "--scope-key-file" in err

@@ -81,6 +81,13 @@ def test_instance_list_drain_wake(cluster: kit.Cluster) -> None:
     eventually(lambda: cluster.status("a")["state"] == "active", what="a says active")
 
 
+def test_a_dead_first_pc_is_passed_over(cluster: kit.Cluster) -> None:
+    """``--pc`` takes several URLs; the commands use the first that answers."""
+    pcs = f"http://127.0.0.1:9/,{cluster.control}"
+    rows = json.loads(ok("instance", "list", "--pc", pcs, *token(cluster), "--json"))
+    assert cluster.url("a") in {row["instance"] for row in rows["instances"]}
+
+
 def test_bad_input_is_one_line(cluster: kit.Cluster, tmp_path: Path) -> None:
     unknown = "http://127.0.0.1:9/"
     line = refused(1, "instance", "drain", unknown, "--pc", cluster.control, *token(cluster))

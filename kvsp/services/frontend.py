@@ -505,6 +505,12 @@ async def _generate(args: argparse.Namespace) -> int:
         scope = scope_id_of(key)
     else:
         scope = ScopeId(parse_scope_id(args.scope_id, "--scope-id"))
+        print(
+            "kvsp: warning: --scope-id without the scope key: the prompt's Block Keys cannot be "
+            "computed (§4.2), so placement finds no cached blocks for it; give "
+            "--scope-key-file to reuse them",
+            file=sys.stderr,
+        )
     compat, block_tokens = await _model(args, args.pc, token)
     prompt = _prompt_of(args)
     out = sys.stdout

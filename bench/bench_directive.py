@@ -21,7 +21,7 @@ to the relay, and three target instances, one per variant:
     The path as it was before the pipeline and the QMux carriers, rebuilt from options that
     remain operator choices: ``--prefetch-pipeline off``, ``--moqt-carriers off`` (MOQT over
     QUIC only), ``--moqt-backend aioquic --moqt-datagram-size 1200`` (aioquic at its library
-    defaults), against a relay that runs ``--backend aioquic --quic-datagram-size 1200``
+    defaults), against a relay that runs ``--moqt-backend aioquic --moqt-datagram-size 1200``
     (the relay's QUIC side is used by this target alone: the others reach it over the Unix
     socket). Fixes that cannot be switched off are in it too, so it is faster than the old
     code was: the web runner answers keep-alive requests without Nagle's delay, and the
@@ -176,13 +176,13 @@ class DirectiveCluster:
             str(token),
             "--qmux-unix",
             str(socket),
-            *("--backend", "aioquic", "--quic-datagram-size", "1200"),  # "before" QUIC
+            *("--moqt-backend", "aioquic", "--moqt-datagram-size", "1200"),  # "before" QUIC
         )
         faces = json.loads(relay.base_url)
         cert = self.folder / "relay" / "state" / "relay-tls" / "cert.pem"
-        common: tuple[str, ...] = ("--control", control, "--token-file", str(token))
+        common: tuple[str, ...] = ("--pc", control, "--token-file", str(token))
         common += ("--descriptor", str(descriptor))
-        common += ("--relay-cafile", str(cert), "--tier", "host=4GiB")
+        common += ("--cafile", str(cert), "--tier", "host=4GiB")
         common += (
             "--kv-capacity-blocks",
             "65536",

@@ -104,7 +104,7 @@ class Cluster:
         self.serve(
             name,
             "instance",
-            *("--control", self.url("control"), "--token-file", str(self.folder / "admin.token")),
+            *("--pc", self.url("control"), "--token-file", str(self.folder / "admin.token")),
             *("--engine", "toy", "--scope-key-file", str(self.folder / "scope.key")),
             *("--status-ttl-ms", str(self.ttl_ms), "--replica-holder", self.url("holder")),
             *("--toy-decode-ms", str(decode_ms), "--gate-batch", str(self.gate_batch)),

@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
                 folder, "control", "control", *described, "--directive-token-file", token[1]
             )
             services.append(control)
-            instance = ("--control", control.base_url, *token, "--engine", "toy", *described)
+            instance = ("--pc", control.base_url, *token, "--engine", "toy", *described)
             with ThreadPoolExecutor(5) as pool:
                 services += pool.map(lambda n: serve(folder, n, "instance", *instance), "abcde")
             urls = dict(zip("abcde", (s.base_url for s in services[1:]), strict=True))

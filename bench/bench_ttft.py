@@ -110,7 +110,7 @@ def start_servers(
     )
     relay = start_process(
         [*kvsp, "relay", "--listen", "127.0.0.1:0", "--open", "--state", str(folder / "relay")]
-        + ["--cache-size", "2GiB", "--log-level", "warning", "--backend", backend],
+        + ["--cache-size", "2GiB", "--log-level", "warning", "--moqt-backend", backend],
         workdir=_mkdir(folder / "relay-run"),
     )
     return holder, relay

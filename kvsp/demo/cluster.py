@@ -52,6 +52,9 @@ from kvsp.keys import scope_id
 from kvsp.web.auth import mint_token, principal_entry, write_principals
 
 INSTANCE_NAMES = ("a", "b", "c", "d", "e", "f")
+DEMO_SITE = "local"
+"""The site label of every demo process (one host: one site); each instance is a zone of its
+own (``zone-a`` ...), as racks of one site would be, so ``kvsp status`` shows where each is."""
 RELAY_TLS = "relay-tls"
 MAX_SOCKET_PATH = 100  # sun_path holds 108 octets on Linux, with its terminating NUL
 RELAY_CERT_MARGIN = datetime.timedelta(days=3)
@@ -386,6 +389,7 @@ class Cluster:
             "relay",
             *("--listen", f"127.0.0.1:{plan.relay_port}", "--public-url", plan.relay_uri),
             *("--index", control, "--index-token-file", str(self.files.token_file("relay"))),
+            *("--site", DEMO_SITE),
             *unix,
         )
 
@@ -415,6 +419,7 @@ class Cluster:
             *("--block-tokens", str(self.config.block_tokens)),
             *("--scope-key-file", str(self.files.scope_key)),
             *("--status-ttl-ms", str(self.config.status_ttl_ms)),
+            *("--site", DEMO_SITE, "--zone", f"zone-{name}"),
             *relay,
         )
 

@@ -141,6 +141,7 @@ def _instances(console: Console, target: Target, answer: httpx.Response) -> None
     rows = [
         [
             target.names.get(r["instance"], r["instance"]),
+            _where(r),
             r["state"],
             r["reported_state"],
             r["running"] + r["queued"],
@@ -152,10 +153,18 @@ def _instances(console: Console, target: Target, answer: httpx.Response) -> None
         ]
         for r in answer.json().get("instances", [])
     ]
-    headers = ["instance", "state", "reported", "load", "running", "queued", "epoch", "KV"]
+    headers = ["instance", "site", "state", "reported", "load", "running", "queued", "epoch", "KV"]
     console.table([*headers, "age ms"], rows)
     if not rows:
         console.line("(no instance has reported yet)")
+
+
+def _where(row: dict[str, Any]) -> str:
+    """An instance's ``site`` and ``zone`` labels (extension members) as ``site/zone``."""
+    site, zone = row.get("site"), row.get("zone")
+    if not site:
+        return "-"
+    return f"{site}/{zone}" if zone else str(site)
 
 
 def kv_share(utilization: float) -> str:

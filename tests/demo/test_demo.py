@@ -172,6 +172,8 @@ def test_status_shows_a_running_up_and_ctrl_c_stops_it(state: Path) -> None:
             assert heading in table, table
         rows = _section(table, "Instances (PC)")
         assert sum(1 for r in rows if r.startswith("instance ") and " active " in r) == 2, table
+        # every demo process is labelled: one site, a zone per instance (§4.4 extension members)
+        assert any(r.startswith("instance a ") and " local/zone-a " in r for r in rows), table
 
         by_url = subprocess.run(
             [*KVSP, "status", "--pc", endpoints["control"], "--token-file", str(files.admin_token)],

@@ -75,7 +75,7 @@ def group_payload(group: int) -> bytes:
 def test_moqrs_live_track_through_our_relay(backend: str, tmp_path: Path) -> None:
     try:
         moqrs = peers.moqrs_python()
-        relay = peers.start_our_relay(tmp_path, "--backend", backend)
+        relay = peers.start_our_relay(tmp_path, "--moqt-backend", backend)
     except peers.PeerUnavailable as exc:
         pytest.skip(str(exc))
     with relay:

@@ -102,7 +102,7 @@ def sites(tmp_path: Path, redis_url: str) -> Iterator[Sites]:
                 tmp_path,
                 name,
                 "instance",
-                *("--control", both, "--token-file", str(token), *descriptor),
+                *("--pc", both, "--token-file", str(token), *descriptor),
                 *("--scope-key-file", str(tmp_path / "scope.key"), "--status-ttl-ms", "900"),
                 *("--toy-decode-ms", "40", "--checkpoint-every", "4"),
                 *("--replica-holder", holder.base_url),  # session blocks outlive the instance

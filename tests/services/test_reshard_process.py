@@ -281,7 +281,7 @@ def test_reshard_through_kvsp_serve_control_and_instances(tmp_path: Path) -> Non
             tmp_path, "control", "control", *described, "--directive-token-file", str(token)
         )
         started.append(control)
-        instance = ("--control", control.base_url, "--token-file", str(token), "--engine", "toy")
+        instance = ("--pc", control.base_url, "--token-file", str(token), "--engine", "toy")
         with ThreadPoolExecutor(2) as pool:
             started += pool.map(
                 lambda n: _serve(tmp_path, n, "instance", *instance, *described), "ab"

@@ -184,7 +184,7 @@ class Cluster:
         self._serve(
             name,
             "instance",
-            *("--control", self.control, "--token-file", str(self.folder / "admin.token")),
+            *("--pc", self.control, "--token-file", str(self.folder / "admin.token")),
             *("--engine", "toy", "--descriptor", str(self.folder / "descriptor.json")),
             *("--scope-key-file", str(self.folder / "scope.key")),
             *("--status-ttl-ms", str(STATUS_TTL_MS)),

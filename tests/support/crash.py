@@ -261,7 +261,7 @@ class Processes:
         return self.serve(
             name,
             "instance",
-            *("--control", self.url(control), "--token-file", str(self.token_file)),
+            *("--pc", self.url(control), "--token-file", str(self.token_file)),
             *("--engine", "toy", *self.descriptor_args("toy")),
             *("--scope-key-file", str(self.folder / "scope.key"), "--status-ttl-ms", "900"),
             *argv,

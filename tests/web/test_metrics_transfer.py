@@ -94,7 +94,7 @@ def test_fetched_and_served_octets_agree_per_transport(tmp_path: Path) -> None:
         faces = json.loads(relay.base_url)
         cert = tmp_path / "relay" / "state" / "relay-tls" / "cert.pem"
         common = [
-            *("instance", "--control", control.base_url, "--token-file", str(token)),
+            *("instance", "--pc", control.base_url, "--token-file", str(token)),
             *("--descriptor", str(descriptor), "--scope-key-file", str(scope_key)),
             *("--cafile", str(cert)),
         ]

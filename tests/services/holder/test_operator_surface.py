@@ -129,7 +129,7 @@ def test_wildcard_listen_needs_public_url(site: Site) -> None:
     with pytest.raises(ServiceStartError, match="wildcard address.*--public-url"):
         site.holder(None, "--listen", "0.0.0.0:0")
     instance = [*KVSP_SERVE, "instance", "--listen", "[::]:0", "--state", str(site.root / "i")]
-    instance += ["--control", "http://127.0.0.1:9/", "--token-file", str(site.token_file)]
+    instance += ["--pc", "http://127.0.0.1:9/", "--token-file", str(site.token_file)]
     done = subprocess.run(instance, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     assert "wildcard address" in done.stderr and "--public-url" in done.stderr, done.stderr
@@ -155,7 +155,7 @@ def _descriptor_file(root: Path) -> Path:
 def test_readyz_of_an_instance_follows_its_registration(site: Site) -> None:
     control = site.serve("control", "control")
     try:
-        argv = ["instance", "--control", control.base_url, "--token-file", str(site.token_file)]
+        argv = ["instance", "--pc", control.base_url, "--token-file", str(site.token_file)]
         with site.serve("instance", *argv, "--status-ttl-ms", "1500") as instance:
             url = f"{instance.base_url}readyz"
             eventually(lambda: site.http.get(url).status_code == 200, what="registered")

@@ -168,10 +168,10 @@ class Plane:
         """``kvsp serve instance --engine transformers --model DIR``, publishing to the relay."""
         return self.start(
             name,
-            *("instance", "--control", self.control.base_url, "--token-file", str(self.token)),
+            *("instance", "--pc", self.control.base_url, "--token-file", str(self.token)),
             *("--engine", "transformers", "--model", str(model), "--block-tokens", str(B)),
             *("--kv-capacity-blocks", "128", "--scope-key-file", str(self.scope_key)),
-            *("--relay", self.moqt, "--relay-cafile", str(self.cert)),
+            *("--relay", self.moqt, "--cafile", str(self.cert)),
         )
 
     def close(self) -> None:

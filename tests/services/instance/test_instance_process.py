@@ -92,7 +92,7 @@ def serve(folder: Path, name: str, *argv: str, work: str | None = None) -> Runni
 def instance_argv(folder: Path, control: RunningService) -> list[str]:
     """The options of an instance of the toy descriptor, in the scope, on ``control``."""
     return [
-        "--control", control.base_url, "--token-file", str(folder / "token"),
+        "--pc", control.base_url, "--token-file", str(folder / "token"),
         "--descriptor", str(folder / "descriptor.json"),
         "--scope-key-file", str(folder / "scope.key"), "--status-ttl-ms", "1500",
     ]  # fmt: skip

@@ -56,7 +56,7 @@ class Site:
     def instance(self, name: str, control: str, *extra: str) -> RunningService:
         return self.services.start(
             name,
-            *("instance", "--control", control),
+            *("instance", "--pc", control),
             *("--token-file", str(self.root / "admin.token")),
             *("--descriptor", str(self.root / "descriptor.json")),
             *("--scope-key-file", str(self.root / "scope.key")),

@@ -615,7 +615,7 @@ def test_bad_pipeline_options_are_argparse_errors(
     parser = argparse.ArgumentParser(prog="kvsp serve instance")
     configure_parser(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--control", "http://c/", "--token-file", "t", *argv])
+        parser.parse_args(["--pc", "http://c/", "--token-file", "t", *argv])
     assert argv[0] in capsys.readouterr().err
 
 

@@ -211,7 +211,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             instance := serve(
                 folder,
                 "instance",
-                *("--control", control.base_url, "--index", index.url),
+                *("--pc", control.base_url, "--index", index.url),
                 *("--token-file", str(folder / "instance.token"), "--descriptor", descriptor),
                 *("--scope-key-file", str(folder / "scope.key"), "--engine", "toy"),
                 listen=instance_url.removeprefix("http://").rstrip("/"),

@@ -50,10 +50,10 @@ def test_bad_values_are_argparse_errors_naming_the_option(
 def test_the_relays_datagram_size_is_checked_too(capsys: pytest.CaptureFixture[str]) -> None:
     relay = argparse.ArgumentParser(prog="kvsp serve relay")
     relay_parser(relay)
-    assert relay.parse_args(["--quic-datagram-size", "1200"]).quic_datagram_size == 1200
+    assert relay.parse_args(["--moqt-datagram-size", "1200"]).moqt_datagram_size == 1200
     with pytest.raises(SystemExit):
-        relay.parse_args(["--quic-datagram-size", "900"])
-    assert "--quic-datagram-size" in capsys.readouterr().err
+        relay.parse_args(["--moqt-datagram-size", "900"])
+    assert "--moqt-datagram-size" in capsys.readouterr().err
 
 
 def test_by_default_a_records_qmux_carriers_come_before_quic(tmp_path: Path) -> None:

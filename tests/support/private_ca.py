@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +50,11 @@ def _pem_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
         handle.write(data)
 
 
-def make_private_ca(folder: Path, server_name: str = "localhost") -> IssuedCertificates:
-    """Write ``ca.pem``, ``server.pem`` and ``server-key.pem`` into ``folder``."""
+def make_private_ca(
+    folder: Path, server_name: str = "localhost", addresses: Sequence[str] = ()
+) -> IssuedCertificates:
+    """Write ``ca.pem``, ``server.pem`` and ``server-key.pem`` into ``folder``; the server
+    certificate also names the IP ``addresses`` (e.g. a veth address of another site)."""
     folder.mkdir(parents=True, exist_ok=True)
     start = datetime.datetime.now(datetime.UTC) - SKEW
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -90,6 +94,7 @@ def make_private_ca(folder: Path, server_name: str = "localhost") -> IssuedCerti
     ]
     if server_name != "localhost":
         names.append(x509.DNSName(server_name))
+    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(server_name))

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from kvsp.errors import RecordError, StoreUnavailable
 from kvsp.stores.instances import Decide, Entry, T, entry_from_json, entry_to_json
-from kvsp.stores.redis import DEFAULT_PREFIX, parse_store_url
-from kvsp.stores.redis_sessions import MAX_TRIES, RedisScripts, octets
+from kvsp.stores.redis import DEFAULT_PREFIX
+from kvsp.stores.redis_sessions import MAX_TRIES, RedisScripts, ScriptedStore, octets
 
 __all__ = ["RedisInstanceStore"]
 
@@ -55,7 +55,7 @@ def _decode(raw: bytes | str) -> Entry:
         raise StoreUnavailable(f"Redis instance store: {exc}") from exc
 
 
-class RedisInstanceStore:
+class RedisInstanceStore(ScriptedStore):
     """An :class:`~kvsp.stores.instances.InstanceStore` in Redis, shared by any number of PC
     processes; see the module docstring for the key and how each write is atomic.
 
@@ -68,20 +68,6 @@ class RedisInstanceStore:
         self.conflicts = 0
         """Compare-and-set attempts lost to another writer (for tests and metrics)."""
         self._decoded: dict[bytes, Entry] = {}  # the stored JSON of each entry last read
-
-    @classmethod
-    def from_url(cls, url: str) -> RedisInstanceStore:
-        """A store for ``redis://host:port/db[?prefix=NAME]`` (as ``--store`` takes it).
-
-        Raises:
-            BadRequest: not such a URL.
-        """
-        redis_url, prefix = parse_store_url(url)
-        return cls(redis_url, prefix=prefix)
-
-    async def aclose(self) -> None:
-        """Close the connections."""
-        await self._redis.aclose()
 
     async def _raw(self, instance: str) -> bytes | None:
         client = self._redis.client()

@@ -32,7 +32,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 import redis
 import redis.asyncio as aioredis
@@ -52,7 +52,7 @@ from kvsp.sessions import (
 from kvsp.stores.redis import DEFAULT_PREFIX, parse_store_url
 from kvsp.stores.sessions import LIVE
 
-__all__ = ["MAX_TRIES", "RedisScripts", "RedisSessionStore", "octets"]
+__all__ = ["MAX_TRIES", "RedisScripts", "RedisSessionStore", "ScriptedStore", "octets"]
 
 MAX_TRIES = 1_000
 """Compare-and-set attempts before a call gives up (only ever reached under a writer storm on
@@ -185,7 +185,32 @@ def _decode(raw: bytes) -> SessionRecord:
     return SessionRecord.from_json(json.loads(raw))
 
 
-class RedisSessionStore:
+class ScriptedStore:
+    """What the stores built on :class:`RedisScripts` share: made from the ``--store`` URL and
+    closed the same way. A subclass's ``__init__`` takes ``(url, *, prefix)`` and sets
+    ``_redis``."""
+
+    _redis: RedisScripts
+
+    def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:
+        raise NotImplementedError  # each store names its own scripts and keys
+
+    @classmethod
+    def from_url(cls, url: str) -> Self:
+        """A store for ``redis://host:port/db[?prefix=NAME]`` (as ``--store`` takes it).
+
+        Raises:
+            BadRequest: not such a URL.
+        """
+        redis_url, prefix = parse_store_url(url)
+        return cls(redis_url, prefix=prefix)
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        await self._redis.aclose()
+
+
+class RedisSessionStore(ScriptedStore):
     """A :class:`~kvsp.stores.sessions.SessionStore` in Redis, shared by any number of PC
     processes; see the module docstring for the keys and how each write is atomic.
 
@@ -200,20 +225,6 @@ class RedisSessionStore:
         self._keys = [f"{self._base}{k}" for k in ("r", "n", "ul", "uf")]
         self.conflicts = 0
         """Compare-and-set attempts lost to another writer (for tests and metrics)."""
-
-    @classmethod
-    def from_url(cls, url: str) -> RedisSessionStore:
-        """A store for ``redis://host:port/db[?prefix=NAME]`` (as ``--store`` takes it).
-
-        Raises:
-            BadRequest: not such a URL.
-        """
-        redis_url, prefix = parse_store_url(url)
-        return cls(redis_url, prefix=prefix)
-
-    async def aclose(self) -> None:
-        """Close the connections."""
-        await self._redis.aclose()
 
     async def _raw(self, session: uuid.UUID) -> bytes | None:
         client = self._redis.client()

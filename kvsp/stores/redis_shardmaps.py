@@ -19,8 +19,8 @@ import json
 from typing import Any
 
 from kvsp.records_shard import ShardMap
-from kvsp.stores.redis import DEFAULT_PREFIX, parse_store_url
-from kvsp.stores.redis_sessions import RedisScripts, octets
+from kvsp.stores.redis import DEFAULT_PREFIX
+from kvsp.stores.redis_sessions import RedisScripts, ScriptedStore, octets
 from kvsp.stores.shardmaps import BeginOutcome, Pending, ShardMapState
 
 __all__ = ["RedisShardMaps"]
@@ -62,7 +62,7 @@ def _decode(raw: Any) -> ShardMap:
     return ShardMap.from_json(json.loads(raw))
 
 
-class RedisShardMaps:
+class RedisShardMaps(ScriptedStore):
     """A :class:`~kvsp.stores.shardmaps.ShardMapStore` in Redis, shared by PC processes; see the
     module docstring. Every method raises :class:`~kvsp.errors.StoreUnavailable` when Redis
     fails."""
@@ -70,20 +70,6 @@ class RedisShardMaps:
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:
         self._redis = RedisScripts(url, {"create": _CREATE, "begin": _BEGIN, "finish": _FINISH})
         self._prefix = prefix
-
-    @classmethod
-    def from_url(cls, url: str) -> RedisShardMaps:
-        """A store for ``redis://host:port/db[?prefix=NAME]`` (as ``--store`` takes it).
-
-        Raises:
-            BadRequest: not such a URL.
-        """
-        redis_url, prefix = parse_store_url(url)
-        return cls(redis_url, prefix=prefix)
-
-    async def aclose(self) -> None:
-        """Close the connections."""
-        await self._redis.aclose()
 
     def _key(self, map_name: str) -> str:
         return f"{self._prefix}:{{m:{map_name.encode().hex()}}}:map"

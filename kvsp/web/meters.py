@@ -48,30 +48,7 @@ FETCH_BUCKETS = (
     10.0,
 )
 """Seconds, as LMCache's ``time_to_retrieve``: a block from memory next door to a slow link."""
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+TTFT_BUCKETS = (*FETCH_BUCKETS, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 """Seconds, as vLLM's ``time_to_first_token_seconds``: long prompts queue for minutes."""
 MAX_SOURCES = 16
 """Distinct source holders that get a label of their own; the rest are :data:`OTHER`."""

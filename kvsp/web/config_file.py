@@ -17,7 +17,7 @@ value goes through the flag's own ``type``, ``choices`` and ``required`` checks 
 is reported as argparse reports it, with where it came from. A flag given on the command line
 takes nothing from the environment or the file, so a repeatable flag is never a mix of sources.
 A list value repeats a repeatable flag (``tier = ["host=2GiB", "disk=100GiB"]``) and is one
-comma-separated value for any other (the form the several-URL flags ``--control``, ``--pc``
+comma-separated value for any other (the form the several-URL flags ``--pc``
 and ``--index`` take); ``true`` gives a flag that takes no value, ``false`` leaves it out.
 
 A key or a ``KVSP_`` variable that names no flag of the service is an error (exit status 2):

@@ -2,7 +2,7 @@
 number of control planes on one store answer alike, so a client may ask any of them).
 
 A client of the IS, the PC or ``kvsp serve control`` is given a list of base URLs
-(:func:`url_list`: ``--control A --control B`` or ``--control A,B``). :class:`Failover` keeps
+(:func:`url_list`: ``--pc A --pc B`` or ``--pc A,B``). :class:`Failover` keeps
 which one answered last and sends each request there first; the request moves on to the next
 URL, in list order and wrapping round, each URL tried at most once, when the attempt ends in
 

@@ -49,7 +49,7 @@ new work), lets its in-flight sessions and directives finish for up to ``--drain
 seconds, withdraws all its replicas at the IS in one request (``DELETE holders/{holder_id}/
 replicas``) and ends its epoch at the PC (``DELETE instances/{instance_id}?epoch=E``, which
 moves any session left, §6.8), then exits 0. Each step is logged at info; a step that fails is
-logged at warning and the next one is still tried. ``--control`` and ``--index`` take several
+logged at warning and the next one is still tried. ``--pc`` and ``--index`` take several
 URLs (:mod:`kvsp.web.failover`).
 """
 

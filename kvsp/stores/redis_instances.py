@@ -23,10 +23,12 @@ deployment has hundreds of instances, not millions:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from kvsp.errors import RecordError, StoreUnavailable
 from kvsp.stores.instances import Decide, Entry, T, entry_from_json, entry_to_json
 from kvsp.stores.redis import DEFAULT_PREFIX
-from kvsp.stores.redis_sessions import MAX_TRIES, RedisScripts, ScriptedStore, octets
+from kvsp.stores.redis_sessions import MAX_TRIES, ScriptedStore, octets
 
 __all__ = ["RedisInstanceStore"]
 
@@ -62,8 +64,10 @@ class RedisInstanceStore(ScriptedStore):
     Every method raises :class:`~kvsp.errors.StoreUnavailable` when Redis fails.
     """
 
+    SCRIPTS: ClassVar[dict[str, str]] = {"cas": _CAS}
+
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:
-        self._redis = RedisScripts(url, {"cas": _CAS})
+        super().__init__(url, prefix=prefix)
         self._key = f"{prefix}:{{instances}}:e"
         self.conflicts = 0
         """Compare-and-set attempts lost to another writer (for tests and metrics)."""

@@ -32,7 +32,7 @@ import contextlib
 import json
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import redis
 import redis.asyncio as aioredis
@@ -186,14 +186,16 @@ def _decode(raw: bytes) -> SessionRecord:
 
 
 class ScriptedStore:
-    """What the stores built on :class:`RedisScripts` share: made from the ``--store`` URL and
-    closed the same way. A subclass's ``__init__`` takes ``(url, *, prefix)`` and sets
-    ``_redis``."""
+    """What the stores built on :class:`RedisScripts` share: their Lua scripts
+    (:attr:`SCRIPTS`, named), the key prefix, being made from the ``--store`` URL and closed
+    the same way."""
 
-    _redis: RedisScripts
+    SCRIPTS: ClassVar[dict[str, str]] = {}
+    """The store's Lua scripts by name (for :meth:`RedisScripts.run`)."""
 
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:
-        raise NotImplementedError  # each store names its own scripts and keys
+        self._redis = RedisScripts(url, self.SCRIPTS)
+        self._prefix = prefix
 
     @classmethod
     def from_url(cls, url: str) -> Self:
@@ -217,10 +219,15 @@ class RedisSessionStore(ScriptedStore):
     Every method raises :class:`~kvsp.errors.StoreUnavailable` when Redis fails.
     """
 
+    SCRIPTS: ClassVar[dict[str, str]] = {
+        "cas": _CAS,
+        "expire": _EXPIRE,
+        "live": _LIVE,
+        "recent": _RECENT,
+    }
+
     def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:
-        self._redis = RedisScripts(
-            url, {"cas": _CAS, "expire": _EXPIRE, "live": _LIVE, "recent": _RECENT}
-        )
+        super().__init__(url, prefix=prefix)
         self._base = f"{prefix}:{{sessions}}:"
         self._keys = [f"{self._base}{k}" for k in ("r", "n", "ul", "uf")]
         self.conflicts = 0

@@ -16,11 +16,10 @@ current version, decimal), and while a change is pending ``pending`` (JSON), ``p
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from kvsp.records_shard import ShardMap
-from kvsp.stores.redis import DEFAULT_PREFIX
-from kvsp.stores.redis_sessions import RedisScripts, ScriptedStore, octets
+from kvsp.stores.redis_sessions import ScriptedStore, octets
 from kvsp.stores.shardmaps import BeginOutcome, Pending, ShardMapState
 
 __all__ = ["RedisShardMaps"]
@@ -67,9 +66,7 @@ class RedisShardMaps(ScriptedStore):
     module docstring. Every method raises :class:`~kvsp.errors.StoreUnavailable` when Redis
     fails."""
 
-    def __init__(self, url: str, *, prefix: str = DEFAULT_PREFIX) -> None:
-        self._redis = RedisScripts(url, {"create": _CREATE, "begin": _BEGIN, "finish": _FINISH})
-        self._prefix = prefix
+    SCRIPTS: ClassVar[dict[str, str]] = {"create": _CREATE, "begin": _BEGIN, "finish": _FINISH}
 
     def _key(self, map_name: str) -> str:
         return f"{self._prefix}:{{m:{map_name.encode().hex()}}}:map"

@@ -468,7 +468,7 @@ class PlacementController:
         self.service_times.forget(instance)
         if before.state is not InstanceState.FAILED:
             self.sessions.instance_failed(instance)  # §6.8: any left move elsewhere
-        _log.warning("%s ended epoch %d", instance, epoch)
+        _log.info("%s ended epoch %d", instance, epoch)
         await self._withdraw(instance)
         await self.refresh()
 

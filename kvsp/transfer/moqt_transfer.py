@@ -295,14 +295,11 @@ def digest_layers(layers: Sequence[Layer]) -> list[bytes]:
 def digest_span(data: memoryview, size: int) -> list[bytes]:
     """The digests of the ``size``-octet layers that ``data`` holds one after another: one
     worker-thread job. With :mod:`kvsp.sha256x2`, one native call that takes the GIL back once
-    (hashlib would take it back after every layer, each time waiting for the event loop)."""
+    (hashlib would take it back after every layer, each time waiting for the event loop) and
+    hashes two layers at a time on its interleaved lanes."""
     if not sha256x2.ACCELERATED:
         return [hashlib.sha256(data[at : at + size]).digest() for at in range(0, len(data), size)]
-    whole, layer = sha256x2.Sha256(), sha256x2.Sha256()  # feed_layers hashes the span twice:
-    # whole (unused) takes all of it, layer restarts at each layer end
-    digests = sha256x2.feed_layers(whole, layer, data, range(size, len(data), size))
-    digests.append(layer.digest())
-    return digests
+    return sha256x2.digests(data, size)
 
 
 class LayerChecks:

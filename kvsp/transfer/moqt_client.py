@@ -38,6 +38,7 @@ from kvsp.moqt_mapping import (
 )
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
+from kvsp.transfer.buffers import BufferPool
 from kvsp.transfer.moqt_carriers import (
     CarrierPolicy,
     SessionOptions,
@@ -99,7 +100,9 @@ class MoqtBlockClient:
     certificates, or a holder's self-signed certificate to pin; ``verify=False`` checks nothing
     (tests). ``timeout`` bounds each request and each pause in the data. ``backend`` is the
     QUIC library (None: the measured default); ``policy`` says which QMux carriers a record may
-    offer this client (:mod:`kvsp.transfer.moqt_carriers`).
+    offer this client (:mod:`kvsp.transfer.moqt_carriers`). ``buffers`` lends the memory a
+    block's layers land in and takes it back when the block is dropped (default: a
+    :class:`~kvsp.transfer.buffers.BufferPool` of its own; ``BufferPool(0)`` reuses nothing).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class MoqtBlockClient:
         auth_token: str | bytes | None = None,
         timeout: float = 30.0,
         policy: CarrierPolicy | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.cafile = cafile
         self.verify = verify
@@ -120,6 +124,8 @@ class MoqtBlockClient:
         self.backend = backend
         self.transport = transport
         self.policy = policy or CarrierPolicy()
+        self._owns_buffers = buffers is None
+        self.buffers = BufferPool() if buffers is None else buffers
         token = auth_token.decode("ascii") if isinstance(auth_token, bytes) else auth_token
         # The raw token goes to the control plane only; a holder gets a credential for itself.
         self._signer = AudienceSigner(token)
@@ -140,13 +146,16 @@ class MoqtBlockClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close every pooled session."""
+        """Close every pooled session, and the buffer pool if made here (blocks handed out
+        stay valid)."""
         sessions, self._sessions = self._sessions, {}
         for stack, _ in sessions.values():
             with contextlib.suppress(Exception):
                 await stack.aclose()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._owns_buffers:
+            self.buffers.close()
 
     def sessions(self) -> list[MoqtAddress]:
         """The addresses (carrier included) of the open pooled sessions, oldest first."""
@@ -301,6 +310,7 @@ class MoqtBlockClient:
             token_count=plan.token_count,
             sink=plan.sink,
             hash_below=self.hash_inline_below,
+            allocate=self.buffers.take,
         )
         objects = ObjectFeed(assembler, in_band=False)  # the record is authoritative
         # §6.7: each layer against layer_digests, or all against the replica digest
@@ -398,7 +408,12 @@ class MoqtBlockClient:
 
         def assembler() -> LayerAssembler:
             return LayerAssembler(
-                geometry, 0, geometry.layers - 1, token_count=block_tokens, sink=sink
+                geometry,
+                0,
+                geometry.layers - 1,
+                token_count=block_tokens,
+                sink=sink,
+                allocate=self.buffers.take,
             )
 
         def run(stream: BlockStream[LiveBlock]) -> AsyncGenerator[Layer, None]:

@@ -8,6 +8,7 @@ replica digest before handing any out; on real sockets (QUIC on 127.0.0.1) and w
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -150,6 +151,26 @@ def test_a_large_block_is_handed_out_in_order_verified_on_worker_threads(
         assert block.encode() == CONTAINER
         workers = [name for name in hashed_on if name.startswith("kvsp-moqt-hash")]
         assert len(workers) >= 4  # most batches went to the workers (the tail may not)
+
+    run(test)
+
+
+def test_a_dropped_block_lends_its_memory_to_the_next_and_a_kept_one_stays_intact(
+    certs: tuple[str, str],
+) -> None:
+    async def test() -> None:
+        async with holder(certs) as h:
+            h.blocks.add(stored())
+            pool = h.client.buffers
+            asked = record(h.uri)
+            kept = await h.client.get_block(asked, geometry=GEOMETRY, block_tokens=TOKENS)
+            second = await h.client.get_block(asked, geometry=GEOMETRY, block_tokens=TOKENS)
+            assert (pool.allocated, pool.reused) == (2, 0)  # the kept block's memory is its own
+            del second
+            gc.collect()
+            third = await h.client.get_block(asked, geometry=GEOMETRY, block_tokens=TOKENS)
+            assert (pool.allocated, pool.reused) == (2, 1)
+            assert kept.encode() == third.encode() == CONTAINER
 
     run(test)
 

@@ -50,6 +50,7 @@ from kvsp.transfer.moqt_transfer import (
     HASH_BATCH,
     HASH_INLINE_BELOW,
     BlockStream,
+    FetchLanding,
     FetchPlan,
     LayerChecks,
     LiveBlock,
@@ -70,10 +71,17 @@ from moqt.asyncio import (
     RequestRejected,
     SessionClosedError,
     Subscription,
+    TrackReader,
 )
 from moqt.backend import TransportConfig
 from moqt.errors import RequestErrorCode
-from moqt.session_events import FetchReceived, RequestUpdateReceived, SubscribeReceived
+from moqt.session_events import (
+    DataStreamReset,
+    FetchReceived,
+    MalformedTrackDetected,
+    RequestUpdateReceived,
+    SubscribeReceived,
+)
 from moqt.session_state import LocalProtocolError
 from moqt.wire import TrackNamespace
 
@@ -312,25 +320,27 @@ class MoqtBlockClient:
             hash_below=self.hash_inline_below,
             allocate=self.buffers.take,
         )
-        objects = ObjectFeed(assembler, in_band=False)  # the record is authoritative
+        wake = _Wake()
         # §6.7: each layer against layer_digests, or all against the replica digest
         checks = LayerChecks(
             plan.record.layer_digests,
             plan.record.digest,
             batch=self.hash_batch,
             span=assembler.span,
+            on_hashed=wake.set,
         )
         reader = response.track
-        watchdog = Watchdog(self.timeout, lambda: _cancel(connection, response.request_id))
+        landing = FetchLanding(assembler, checks, wake.set)
+
+        def stalled() -> None:
+            _cancel(connection, response.request_id)
+            wake.set()
+
+        watchdog = Watchdog(self.timeout, stalled, progress=lambda: landing.progress)
+        landed = _land(reader, landing, watchdog, wake)
         try:
-            async for event in reader.events():
-                watchdog.progress += 1
-                done = objects.on(event)
-                if done is None:
-                    continue
-                checks.add(done[0], done[1])
-                for layer in checks.ready():
-                    yield layer
+            async for layer in landed:
+                yield layer
             if not assembler.complete or watchdog.fired:
                 checks.cancel()
             while checks.pending:  # the last batches: hash them, hand them out
@@ -340,6 +350,7 @@ class MoqtBlockClient:
         except SessionClosedError as exc:
             raise TransportError(f"the session with {plan.record.holder} ended: {exc}") from exc
         finally:
+            await landed.aclose()  # at once, also when the consumer stopped early
             checks.cancel()
             watchdog.cancel()
             if not reader.ended:
@@ -503,6 +514,70 @@ class MoqtBlockClient:
         except (SessionClosedError, TimeoutError) as exc:
             self._forget(address, connection)
             raise TransportError(f"SUBSCRIBE at {address} failed: {exc!r}") from exc
+
+
+async def _land(
+    reader: TrackReader, landing: FetchLanding, watchdog: Watchdog, wake: _Wake
+) -> AsyncGenerator[Layer, None]:
+    """The layers of a FETCH, as they pass their checks, while its objects land through the
+    payload sink (:class:`~kvsp.transfer.moqt_transfer.FetchLanding`), until the track ends
+    or the watchdog fires; then the stream's own events, raising on a reset or malformed one.
+
+    Raises:
+        TransportError: the data stream was reset or found malformed. SessionClosedError.
+        ContainerError, DigestMismatch: from the landing.
+    """
+    ending = asyncio.ensure_future(reader.finished())
+    ending.add_done_callback(wake.settle)
+    try:
+        reader.set_payload_sink(landing.payload, object_end=landing.object_end)
+        while True:
+            for layer in landing.checks.ready():
+                yield layer
+            if landing.error is not None:
+                raise landing.error
+            if reader.ended or watchdog.fired:
+                break
+            await wake.wait()
+    finally:
+        reader.set_payload_sink(None)  # the reader may outlive the fetch: not the block
+        ending.cancel()
+    if reader.ended:
+        async for event in reader.events():  # the stream's own events, queued
+            if isinstance(event, DataStreamReset | MalformedTrackDetected):
+                raise TransportError(f"the block's data stream broke off: {event}")
+
+
+class _Wake:
+    """What a FETCH's consumer waits for: a flag that the payload sink, the hash jobs, the
+    watchdog and the track's end set (one future a wait, none while the flag is up)."""
+
+    __slots__ = ("_up", "_waiter")
+
+    def __init__(self) -> None:
+        self._up = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._up = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def settle(self, ended: asyncio.Future[None]) -> None:
+        """The track ended (its error, if any, is raised by the reader's iterator)."""
+        if not ended.cancelled():
+            ended.exception()
+        self.set()
+
+    async def wait(self) -> None:
+        if not self._up:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._up = False
 
 
 def _cancel(connection: MOQTConnection, request_id: int, *, fetch: bool = True) -> None:

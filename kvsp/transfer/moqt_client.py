@@ -310,7 +310,6 @@ class MoqtBlockClient:
     ) -> AsyncGenerator[Layer, None]:
         plan = make_plan()  # its errors surface on the first read, like the transfer's
         address, connection = await self.connect_any(self._plan_candidates(plan))
-        response = await self._request_fetch(connection, plan, address)
         assembler = LayerAssembler(
             plan.geometry,
             plan.first,
@@ -329,8 +328,14 @@ class MoqtBlockClient:
             span=assembler.span,
             on_hashed=wake.set,
         )
-        reader = response.track
         landing = FetchLanding(assembler, checks, wake.set)
+        # the objects land from the first one on, also those read with the FETCH_OK
+        try:
+            response = await self._request_fetch(connection, plan, address, landing)
+        except BaseException:
+            checks.cancel()
+            raise
+        reader = response.track
 
         def stalled() -> None:
             _cancel(connection, response.request_id)
@@ -374,14 +379,24 @@ class MoqtBlockClient:
         return (plan.address,)
 
     async def _request_fetch(
-        self, connection: MOQTConnection, plan: FetchPlan, address: MoqtAddress
+        self,
+        connection: MOQTConnection,
+        plan: FetchPlan,
+        address: MoqtAddress,
+        landing: FetchLanding,
     ) -> FetchResponse:
         start, end = layer_range_locations(plan.first, plan.last)
         track = stored_track_name(plan.record.digest)
+        fetch = connection.fetch(
+            plan.namespace,
+            track,
+            start,
+            end,
+            payload_sink=landing.payload,
+            object_end=landing.object_end,
+        )
         try:
-            return await asyncio.wait_for(
-                connection.fetch(plan.namespace, track, start, end), self.timeout
-            )
+            return await asyncio.wait_for(fetch, self.timeout)
         except RequestRejected as exc:
             raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
@@ -520,8 +535,9 @@ async def _land(
     reader: TrackReader, landing: FetchLanding, watchdog: Watchdog, wake: _Wake
 ) -> AsyncGenerator[Layer, None]:
     """The layers of a FETCH, as they pass their checks, while its objects land through the
-    payload sink (:class:`~kvsp.transfer.moqt_transfer.FetchLanding`), until the track ends
-    or the watchdog fires; then the stream's own events, raising on a reset or malformed one.
+    payload sink the request was made with (:class:`~kvsp.transfer.moqt_transfer.FetchLanding`),
+    until the track ends or the watchdog fires; then the stream's own events, raising on a
+    reset or malformed one.
 
     Raises:
         TransportError: the data stream was reset or found malformed. SessionClosedError.
@@ -530,7 +546,6 @@ async def _land(
     ending = asyncio.ensure_future(reader.finished())
     ending.add_done_callback(wake.settle)
     try:
-        reader.set_payload_sink(landing.payload, object_end=landing.object_end)
         while True:
             for layer in landing.checks.ready():
                 yield layer

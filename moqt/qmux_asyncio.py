@@ -22,7 +22,9 @@ slices of them; events go to the MOQT session, and one transmit follows each rea
 are lists of buffers: on a plain socket they go out with one ``sendmsg`` while the transport
 holds nothing (asyncio 3.11's ``writelines`` would join them), over TLS through
 ``writelines``, which encrypts each buffer as it is (joining them first into larger chunks
-costs more than the small records it saves). ``pause_writing`` stops
+costs more than the small records it saves) in batches of :data:`TLS_WRITE_BATCH` bytes: the
+TLS transport encrypts all it is handed before it sends any of it, so a whole block handed at
+once would reach the peer only when all of it is encrypted. ``pause_writing`` stops
 the pump; ``resume_writing`` transmits and wakes the connection's writers. The idle timeout
 runs on ``loop.call_at``.
 """
@@ -70,6 +72,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 Carrier = Literal["tls", "tcp", "unix"]
 WRITE_BATCH = 4 << 20  # bytes framed per data_to_send call while the carrier takes them
+TLS_WRITE_BATCH = 256 << 10  # over TLS: each batch is encrypted, then sent (see transmit)
 WRITE_HIGH_WATER = 8 << 20  # the transport's buffer above which the pump pauses
 RECEIVE_BUFFER = 1 << 20  # bytes one read may take (the size of each receive buffer)
 RECEIVE_MIN_READ = 64 << 10  # a shorter free tail starts a fresh buffer
@@ -245,6 +248,7 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         self.moqt = MOQTConnection(self, self.session)
         self.moqt.first_piece_at_once = False  # frames, not packets: batch every write
         self._buffers = ReceiveBuffers()
+        self._batch = TLS_WRITE_BATCH if carrier == "tls" else WRITE_BATCH
         self._transport: asyncio.Transport | None = None
         self._sock: socket.socket | None = None  # the raw socket, for sendmsg
         self._paused = False
@@ -327,8 +331,9 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         if transport is None or self._closing:
             return
         quic = self.quic
+        batch = self._batch
         while not self._paused or quic.closed:
-            buffers = quic.data_to_send(WRITE_BATCH, self._loop.time())
+            buffers = quic.data_to_send(batch, self._loop.time())
             if not buffers:
                 break
             self._write(transport, buffers)

@@ -26,6 +26,7 @@ from moqt.errors import PublishDoneCode, RequestErrorCode, SessionError
 from moqt.messages import StandaloneFetch
 from moqt.qmux import QMuxConfig
 from moqt.qmux_asyncio import (
+    TLS_WRITE_BATCH,
     QMuxEndpoint,
     QMuxServer,
     ReceiveBuffers,
@@ -455,3 +456,32 @@ def test_receive_buffers_keep_every_held_slice_intact(reads: list[tuple[int, boo
             held.append((data, bytes(data)))
         del data, tail
         assert all(view == expected for view, expected in held)
+
+
+def test_tls_hands_its_transport_batches_so_the_peer_decrypts_while_more_is_encrypted(
+    certs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """asyncio's TLS transport encrypts all of a write before it sends any of it: 6 MiB of
+    objects reach it in many batches of about TLS_WRITE_BATCH, not in one."""
+    written: list[int] = []
+
+    async def handler(connection: MOQTConnection) -> None:
+        transport = connection._protocol._transport  # type: ignore[attr-defined]
+        writelines = transport.writelines
+
+        def counting(buffers: list[bytes]) -> None:
+            written.append(sum(len(buffer) for buffer in buffers))
+            writelines(buffers)
+
+        transport.writelines = counting
+        await publisher(connection)
+
+    async def client(connection: MOQTConnection) -> None:
+        response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 3))
+        objects = [obj async for obj in response.track.objects()]
+        assert [bytes(obj.payload) for obj in objects] == OBJECTS
+
+    run(Carrier("tls", certs, tmp_path), client, handler=handler)
+    assert sum(written) > 3 * OBJECT
+    assert max(written) <= 2 * TLS_WRITE_BATCH, written
+    assert len([size for size in written if size >= TLS_WRITE_BATCH // 2]) >= 12

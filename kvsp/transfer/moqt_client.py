@@ -320,16 +320,20 @@ class MoqtBlockClient:
             allocate=self.buffers.take,
         )
         wake = _Wake()
+        # With a caller's sink each event is taken in this task, paced by the caller: a
+        # layer's buffer is asked for only once the layers before it were handed out (a sink
+        # may reuse one staging buffer, kvsp.engine.sink). Otherwise the objects land from
+        # the receive path (FetchLanding), from the first one on.
+        paced = plan.sink is not None
         # §6.7: each layer against layer_digests, or all against the replica digest
         checks = LayerChecks(
             plan.record.layer_digests,
             plan.record.digest,
             batch=self.hash_batch,
             span=assembler.span,
-            on_hashed=wake.set,
+            on_hashed=None if paced else wake.set,
         )
-        landing = FetchLanding(assembler, checks, wake.set)
-        # the objects land from the first one on, also those read with the FETCH_OK
+        landing = None if paced else FetchLanding(assembler, checks, wake.set)
         try:
             response = await self._request_fetch(connection, plan, address, landing)
         except BaseException:
@@ -341,17 +345,18 @@ class MoqtBlockClient:
             _cancel(connection, response.request_id)
             wake.set()
 
-        watchdog = Watchdog(self.timeout, stalled, progress=lambda: landing.progress)
-        landed = _land(reader, landing, watchdog, wake)
+        if landing is None:
+            watchdog = Watchdog(self.timeout, stalled)
+            objects = ObjectFeed(assembler, in_band=False)  # the record is authoritative
+            landed = _paced(reader, objects, checks, watchdog)
+        else:
+            watchdog = Watchdog(self.timeout, stalled, progress=lambda: landing.progress)
+            landed = _land(reader, landing, watchdog, wake)
         try:
             async for layer in landed:
                 yield layer
-            if not assembler.complete or watchdog.fired:
-                checks.cancel()
-            while checks.pending:  # the last batches: hash them, hand them out
-                await checks.wait()
-                for layer in checks.ready():
-                    yield layer
+            async for layer in _last_batches(checks, assembler.complete and not watchdog.fired):
+                yield layer
         except SessionClosedError as exc:
             raise TransportError(f"the session with {plan.record.holder} ended: {exc}") from exc
         finally:
@@ -383,7 +388,7 @@ class MoqtBlockClient:
         connection: MOQTConnection,
         plan: FetchPlan,
         address: MoqtAddress,
-        landing: FetchLanding,
+        landing: FetchLanding | None,
     ) -> FetchResponse:
         start, end = layer_range_locations(plan.first, plan.last)
         track = stored_track_name(plan.record.digest)
@@ -392,8 +397,8 @@ class MoqtBlockClient:
             track,
             start,
             end,
-            payload_sink=landing.payload,
-            object_end=landing.object_end,
+            payload_sink=None if landing is None else landing.payload,
+            object_end=None if landing is None else landing.object_end,
         )
         try:
             return await asyncio.wait_for(fetch, self.timeout)
@@ -561,6 +566,41 @@ async def _land(
         async for event in reader.events():  # the stream's own events, queued
             if isinstance(event, DataStreamReset | MalformedTrackDetected):
                 raise TransportError(f"the block's data stream broke off: {event}")
+
+
+async def _last_batches(checks: LayerChecks, complete: bool) -> AsyncGenerator[Layer, None]:
+    """The transfer has ended: hash the last batches and hand their layers out (none when it
+    did not ``complete``: what is queued is dropped).
+
+    Raises:
+        DigestMismatch: a layer differs from the record.
+    """
+    if not complete:
+        checks.cancel()
+    while checks.pending:
+        await checks.wait()
+        for layer in checks.ready():
+            yield layer
+
+
+async def _paced(
+    reader: TrackReader, objects: ObjectFeed, checks: LayerChecks, watchdog: Watchdog
+) -> AsyncGenerator[Layer, None]:
+    """The layers of a FETCH into a caller's sink, each event taken in the consumer's task
+    (see :meth:`MoqtBlockClient._fetch`), handed out as they pass their checks.
+
+    Raises:
+        TransportError: the data stream was reset or found malformed. SessionClosedError.
+        ContainerError, DigestMismatch: an object that is not a layer, a layer that differs.
+    """
+    async for event in reader.events():
+        watchdog.progress += 1
+        done = objects.on(event)
+        if done is None:
+            continue
+        checks.add(done[0], done[1])
+        for layer in checks.ready():
+            yield layer
 
 
 class _Wake:

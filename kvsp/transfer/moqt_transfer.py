@@ -280,7 +280,8 @@ class FetchLanding:
     A callback never raises into the carrier's receive path: the first error (an object that
     is not a layer of the block, a mismatch found inline) is kept in :attr:`error`, everything
     after it is ignored, and ``wake`` tells the consumer, which raises it. ``wake`` is also
-    called at every layer end (its digest may have been checked inline).
+    called when a layer was checked at once (hashed as it arrived); batched layers wake the
+    consumer when their job ends (:class:`LayerChecks` ``on_hashed``).
     """
 
     def __init__(
@@ -328,7 +329,8 @@ class FetchLanding:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
             return
-        self._wake()
+        if digest is not None:
+            self._wake()
 
     def _begin(self, header: ObjectHeader) -> None:
         start = header.object

@@ -75,6 +75,14 @@ def test_pieces_in_any_chunking_land_as_the_layers_checked_inline(cuts: list[lis
     assert landed.assembler.complete
 
 
+def test_layers_left_for_the_hash_jobs_do_not_wake_the_consumer() -> None:
+    landed = Landed(hash_below=0)  # nothing hashed as it arrives: the layers queue for a job
+    for index, layer in enumerate(LAYERS):
+        landed.send(header(index), layer, [9])
+    assert landed.landing.error is None and landed.wakes == 0
+    assert landed.checks.pending and not landed.ready()
+
+
 def test_byte_at_a_time() -> None:
     landed = Landed()
     for index, layer in enumerate(LAYERS):

@@ -256,6 +256,36 @@ def test_a_large_block_lands_in_the_sink_verified(
     run(test)
 
 
+class PacedSink(Sink):
+    """A sink with one staging buffer (as kvsp.engine.sink's on a device): a layer's buffer
+    may be asked for only once the layer before it was handed out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: list[int] = []
+
+    def layer_buffer(self, index: int, k_len: int, v_len: int) -> tuple[memoryview, memoryview]:
+        assert not self.buffers or max(self.buffers) in self.handed, (index, self.handed)
+        return super().layer_buffer(index, k_len, v_len)
+
+
+def test_a_sink_is_asked_for_each_layer_only_after_the_one_before_was_handed_out(
+    certs: tuple[str, str],
+) -> None:
+    async def test() -> None:
+        async with holder(certs) as h:
+            h.blocks.add(stored())
+            h.client.hash_inline_below = len(CONTAINER) + 1  # each layer checked as it ends
+            sink = PacedSink()
+            stream = h.client.stream_block(record(h.uri), geometry=GEOMETRY, sink=sink)
+            async for layer in stream:
+                sink.handed.append(layer.index)
+            await stream.block()
+            assert sink.handed == list(range(GEOMETRY.layers))
+
+    run(test)
+
+
 # -- LayerChecks alone, on a worker thread ------------------------------------------------------
 
 

@@ -379,6 +379,9 @@ class LayerAssembler:
     (layers × payload length, known at the first object) is shorter than that many octets;
     otherwise :attr:`hashing` is False and ``end`` returns no digest, for the caller to hash
     the layers elsewhere (a worker thread, in batches: :mod:`kvsp.transfer.moqt_transfer`).
+    ``allocate(size)`` gives the block buffer (without a sink): a writable octet view whose
+    contents need not be zero, e.g. a pooled one (:class:`kvsp.transfer.buffers.BufferPool`);
+    by default a fresh ``bytearray``.
 
     Raises (from ``begin``):
         ContainerError: an object outside group 0 or the range, a repeated layer, or a payload
@@ -394,6 +397,7 @@ class LayerAssembler:
         token_count: int | None = None,
         sink: LayerSink | None = None,
         hash_below: int | None = None,
+        allocate: Callable[[int], memoryview] | None = None,
     ) -> None:
         if not 0 <= first <= last < geometry.layers:
             raise ContainerError(f"layers {first}..{last} of a {geometry.layers}-layer block")
@@ -405,6 +409,7 @@ class LayerAssembler:
         """Whether the payload is hashed as it arrives (``end`` then returns the digest)."""
         self._hash_below = hash_below
         self._sink = sink
+        self._allocate = allocate
         self._payload_length: int | None = None
         self._buffer: memoryview | None = None
         self._layers: dict[int, Layer] = {}
@@ -479,7 +484,9 @@ class LayerAssembler:
             k, v = self._sink.layer_buffer(object_id, section, section)
         else:
             if self._buffer is None:
-                self._buffer = memoryview(bytearray(self.count * payload_length))
+                size = self.count * payload_length
+                allocate = self._allocate
+                self._buffer = memoryview(bytearray(size)) if allocate is None else allocate(size)
             start = (object_id - self.first) * payload_length
             k = self._buffer[start : start + section]
             v = self._buffer[start + section : start + payload_length]

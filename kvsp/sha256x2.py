@@ -5,6 +5,8 @@ digest (SHA-256 of the layer's octets): every octet is hashed twice. The native 
 ``kvsp._sha256x2`` issues the rounds of both messages interleaved on the x86 SHA extensions,
 which leave most of their throughput unused on one dependent stream, so both passes cost little
 more than one hashlib pass (the "hashing one block twice" line of ``bench/bench_blocks.py``).
+A MOQT FETCH has no container to hash as a whole, only its layers: :func:`digests` puts two
+layers on those lanes at once, so each octet is hashed once at the paired rate.
 
 :data:`ACCELERATED` says whether it is here and this CPU can run it; when not (no compiler at
 install, not x86, no SHA extensions) callers keep to :mod:`hashlib`, which gives the same
@@ -22,10 +24,10 @@ except ImportError:  # built optionally (setup.py): absent where it could not be
     _native = None
 
 ACCELERATED: bool = _native is not None and bool(_native.accelerated)
-"""Whether :class:`Sha256`, :func:`update2` and :func:`feed_layers` work here."""
+"""Whether :class:`Sha256`, :func:`update2`, :func:`feed_layers` and :func:`digests` work here."""
 
 if _native is not None:
-    from kvsp._sha256x2 import Sha256, feed_layers, update2
+    from kvsp._sha256x2 import Sha256, digests, feed_layers, update2
 else:  # pragma: no cover - only where the extension could not be built
 
     class Sha256:  # type: ignore[no-redef]
@@ -42,5 +44,9 @@ else:  # pragma: no cover - only where the extension could not be built
         """Stands in for the native function where it was not built."""
         raise RuntimeError("kvsp._sha256x2 was not built here; use hashlib")
 
+    def digests(data: object, size: int, /) -> list[bytes]:  # type: ignore[misc]
+        """Stands in for the native function where it was not built."""
+        raise RuntimeError("kvsp._sha256x2 was not built here; use hashlib")
 
-__all__ = ["ACCELERATED", "Sha256", "feed_layers", "update2"]
+
+__all__ = ["ACCELERATED", "Sha256", "digests", "feed_layers", "update2"]

@@ -22,7 +22,9 @@ slices of them; events go to the MOQT session, and one transmit follows each rea
 are lists of buffers: on a plain socket they go out with one ``sendmsg`` while the transport
 holds nothing (asyncio 3.11's ``writelines`` would join them), over TLS through
 ``writelines``, which encrypts each buffer as it is (joining them first into larger chunks
-costs more than the small records it saves). ``pause_writing`` stops
+costs more than the small records it saves) in batches of :data:`TLS_WRITE_BATCH` bytes: the
+TLS transport encrypts all it is handed before it sends any of it, so a whole block handed at
+once would reach the peer only when all of it is encrypted. ``pause_writing`` stops
 the pump; ``resume_writing`` transmits and wakes the connection's writers. The idle timeout
 runs on ``loop.call_at``.
 """
@@ -70,6 +72,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 Carrier = Literal["tls", "tcp", "unix"]
 WRITE_BATCH = 4 << 20  # bytes framed per data_to_send call while the carrier takes them
+TLS_WRITE_BATCH = 256 << 10  # over TLS: each batch is encrypted, then sent (see transmit)
 WRITE_HIGH_WATER = 8 << 20  # the transport's buffer above which the pump pauses
 RECEIVE_BUFFER = 1 << 20  # bytes one read may take (the size of each receive buffer)
 RECEIVE_MIN_READ = 64 << 10  # a shorter free tail starts a fresh buffer
@@ -154,32 +157,50 @@ class ReceiveBuffers:
     """Where the carrier's bytes land: the unfilled tail of a large buffer, handed out, once
     filled, as read-only slices that stay valid.
 
-    Nothing that was filled is ever written again: when the tail is short the next read
-    starts a fresh buffer, and the old one lives as long as a slice of it does (payload queued
-    for a reader, or forwarded by a relay without a copy). So bytes are copied once, from the
-    kernel (or the TLS layer) straight into the buffer, and one read takes up to ``size``
-    bytes.
+    Nothing that was filled is ever written again while any view of it is alive: when the
+    tail is short the next read starts another buffer, and the old one lives as long as a
+    slice of it does (payload queued for a reader, or forwarded by a relay without a copy).
+    So bytes are copied once, from the kernel (or the TLS layer) straight into the buffer,
+    and one read takes up to ``size`` bytes.
+
+    The buffer given up last is kept, and taken again instead of a fresh one once no view of
+    it is left: a ``bytearray`` refuses to be resized while anything views it (BufferError),
+    so a resize that succeeds proves every slice handed out is gone. A consumer that copies
+    what it reads (a FETCH landing in its block buffer) thus alternates two buffers whose
+    pages stay mapped, instead of zero-filling a fresh one per ``size`` bytes received; one
+    that keeps slices gets fresh buffers as before. A connection holds at most two buffers.
     """
 
-    __slots__ = ("size", "min_read", "_writable", "_readonly", "_filled")
+    __slots__ = ("size", "min_read", "_buffer", "_writable", "_readonly", "_filled", "_spare")
 
     def __init__(self, size: int = RECEIVE_BUFFER, min_read: int = RECEIVE_MIN_READ) -> None:
         self.size = size
         self.min_read = min_read
-        self._writable = memoryview(bytearray())
+        self._buffer = bytearray()
+        self._writable = memoryview(self._buffer)
         self._readonly = self._writable.toreadonly()
         self._filled = 0
+        self._spare: bytearray | None = None  # the buffer given up last
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """The free tail to read into; a fresh buffer when the tail is under ``min_read``
+        """The free tail to read into; another buffer when the tail is under ``min_read``
         bytes and does not hold ``sizehint`` (what the carrier has ready, where it knows)."""
-        free = len(self._writable) - self._filled
+        free = len(self._buffer) - self._filled
         if free < self.min_read and not 0 < sizehint <= free:
-            buffer = bytearray(max(self.size, sizehint))
-            self._writable = memoryview(buffer)
-            self._readonly = self._writable.toreadonly()
-            self._filled = 0
+            self._replace(max(self.size, sizehint))
         return self._writable[self._filled :]
+
+    def _replace(self, size: int) -> None:
+        old, spare = self._buffer, self._spare
+        buffer = spare if spare is not None and len(spare) == size and _unviewed(spare) else None
+        self._spare = old if len(old) == self.size else spare
+        if buffer is None:
+            buffer = bytearray(size)
+        self._buffer = buffer
+        # our own views of the old buffer go with these: only the slices handed out hold it
+        self._writable = memoryview(buffer)
+        self._readonly = self._writable.toreadonly()
+        self._filled = 0
 
     def filled(self, nbytes: int) -> memoryview:
         """``nbytes`` were written at the start of the last :meth:`get_buffer`: those bytes,
@@ -187,6 +208,17 @@ class ReceiveBuffers:
         start = self._filled
         self._filled = end = start + nbytes
         return self._readonly[start:end]
+
+
+def _unviewed(buffer: bytearray) -> bool:
+    """Whether no view of ``buffer`` is alive (it may then be written again): a bytearray
+    that anything views cannot be resized. Its length and octets are left as they were."""
+    try:
+        buffer.append(0)
+    except BufferError:
+        return False
+    del buffer[-1]
+    return True
 
 
 class QMuxProtocol(asyncio.BufferedProtocol):
@@ -216,6 +248,7 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         self.moqt = MOQTConnection(self, self.session)
         self.moqt.first_piece_at_once = False  # frames, not packets: batch every write
         self._buffers = ReceiveBuffers()
+        self._batch = TLS_WRITE_BATCH if carrier == "tls" else WRITE_BATCH
         self._transport: asyncio.Transport | None = None
         self._sock: socket.socket | None = None  # the raw socket, for sendmsg
         self._paused = False
@@ -298,8 +331,9 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         if transport is None or self._closing:
             return
         quic = self.quic
+        batch = self._batch
         while not self._paused or quic.closed:
-            buffers = quic.data_to_send(WRITE_BATCH, self._loop.time())
+            buffers = quic.data_to_send(batch, self._loop.time())
             if not buffers:
                 break
             self._write(transport, buffers)

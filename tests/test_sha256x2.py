@@ -126,3 +126,27 @@ def test_feed_layers_refuses_bad_ends_and_feeds_nothing() -> None:
     with pytest.raises(ValueError, match="two different"):
         sha256x2.feed_layers(a, a, b"x", [])
     assert a.length == b.length == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 300), count=st.integers(0, 7), seed=st.binary(min_size=1, max_size=8))
+def test_digests_hashes_each_run_alone(size: int, count: int, seed: bytes) -> None:
+    data = (seed * (size * count // len(seed) + 1))[: size * count]
+    runs = [data[at : at + size] for at in range(0, len(data), size)]
+    assert sha256x2.digests(memoryview(data), size) == [hashlib.sha256(r).digest() for r in runs]
+
+
+@pytest.mark.parametrize("size", [1, 55, 56, 63, 64, 65, 4097, 1 << 16])
+@pytest.mark.parametrize("count", [1, 2, 3, 32])
+def test_digests_at_the_padding_edges_and_layer_sizes(size: int, count: int) -> None:
+    data = os.urandom(size * count)
+    runs = [data[at : at + size] for at in range(0, len(data), size)]
+    assert sha256x2.digests(data, size) == [hashlib.sha256(r).digest() for r in runs]
+
+
+def test_digests_refuses_a_size_that_does_not_divide_the_data() -> None:
+    for size in (0, -1, 3):
+        with pytest.raises(ValueError, match="divide"):
+            sha256x2.digests(b"0123456789", size)
+    with pytest.raises(TypeError):
+        sha256x2.digests("text", 2)  # type: ignore[arg-type]

@@ -38,6 +38,7 @@ from kvsp.moqt_mapping import (
 )
 from kvsp.records import ReplicaRecord
 from kvsp.registries import Codec
+from kvsp.transfer.buffers import BufferPool
 from kvsp.transfer.moqt_carriers import (
     CarrierPolicy,
     SessionOptions,
@@ -49,6 +50,7 @@ from kvsp.transfer.moqt_transfer import (
     HASH_BATCH,
     HASH_INLINE_BELOW,
     BlockStream,
+    FetchLanding,
     FetchPlan,
     LayerChecks,
     LiveBlock,
@@ -69,10 +71,17 @@ from moqt.asyncio import (
     RequestRejected,
     SessionClosedError,
     Subscription,
+    TrackReader,
 )
 from moqt.backend import TransportConfig
 from moqt.errors import RequestErrorCode
-from moqt.session_events import FetchReceived, RequestUpdateReceived, SubscribeReceived
+from moqt.session_events import (
+    DataStreamReset,
+    FetchReceived,
+    MalformedTrackDetected,
+    RequestUpdateReceived,
+    SubscribeReceived,
+)
 from moqt.session_state import LocalProtocolError
 from moqt.wire import TrackNamespace
 
@@ -99,7 +108,9 @@ class MoqtBlockClient:
     certificates, or a holder's self-signed certificate to pin; ``verify=False`` checks nothing
     (tests). ``timeout`` bounds each request and each pause in the data. ``backend`` is the
     QUIC library (None: the measured default); ``policy`` says which QMux carriers a record may
-    offer this client (:mod:`kvsp.transfer.moqt_carriers`).
+    offer this client (:mod:`kvsp.transfer.moqt_carriers`). ``buffers`` lends the memory a
+    block's layers land in and takes it back when the block is dropped (default: a
+    :class:`~kvsp.transfer.buffers.BufferPool` of its own; ``BufferPool(0)`` reuses nothing).
     """
 
     def __init__(
@@ -113,6 +124,7 @@ class MoqtBlockClient:
         auth_token: str | bytes | None = None,
         timeout: float = 30.0,
         policy: CarrierPolicy | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.cafile = cafile
         self.verify = verify
@@ -120,6 +132,8 @@ class MoqtBlockClient:
         self.backend = backend
         self.transport = transport
         self.policy = policy or CarrierPolicy()
+        self._owns_buffers = buffers is None
+        self.buffers = BufferPool() if buffers is None else buffers
         token = auth_token.decode("ascii") if isinstance(auth_token, bytes) else auth_token
         # The raw token goes to the control plane only; a holder gets a credential for itself.
         self._signer = AudienceSigner(token)
@@ -140,13 +154,16 @@ class MoqtBlockClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close every pooled session."""
+        """Close every pooled session, and the buffer pool if made here (blocks handed out
+        stay valid)."""
         sessions, self._sessions = self._sessions, {}
         for stack, _ in sessions.values():
             with contextlib.suppress(Exception):
                 await stack.aclose()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._owns_buffers:
+            self.buffers.close()
 
     def sessions(self) -> list[MoqtAddress]:
         """The addresses (carrier included) of the open pooled sessions, oldest first."""
@@ -293,7 +310,6 @@ class MoqtBlockClient:
     ) -> AsyncGenerator[Layer, None]:
         plan = make_plan()  # its errors surface on the first read, like the transfer's
         address, connection = await self.connect_any(self._plan_candidates(plan))
-        response = await self._request_fetch(connection, plan, address)
         assembler = LayerAssembler(
             plan.geometry,
             plan.first,
@@ -301,35 +317,50 @@ class MoqtBlockClient:
             token_count=plan.token_count,
             sink=plan.sink,
             hash_below=self.hash_inline_below,
+            allocate=self.buffers.take,
         )
-        objects = ObjectFeed(assembler, in_band=False)  # the record is authoritative
+        wake = _Wake()
+        # With a caller's sink each event is taken in this task, paced by the caller: a
+        # layer's buffer is asked for only once the layers before it were handed out (a sink
+        # may reuse one staging buffer, kvsp.engine.sink). Otherwise the objects land from
+        # the receive path (FetchLanding), from the first one on.
+        paced = plan.sink is not None
         # §6.7: each layer against layer_digests, or all against the replica digest
         checks = LayerChecks(
             plan.record.layer_digests,
             plan.record.digest,
             batch=self.hash_batch,
             span=assembler.span,
+            on_hashed=None if paced else wake.set,
         )
-        reader = response.track
-        watchdog = Watchdog(self.timeout, lambda: _cancel(connection, response.request_id))
+        landing = None if paced else FetchLanding(assembler, checks, wake.set)
         try:
-            async for event in reader.events():
-                watchdog.progress += 1
-                done = objects.on(event)
-                if done is None:
-                    continue
-                checks.add(done[0], done[1])
-                for layer in checks.ready():
-                    yield layer
-            if not assembler.complete or watchdog.fired:
-                checks.cancel()
-            while checks.pending:  # the last batches: hash them, hand them out
-                await checks.wait()
-                for layer in checks.ready():
-                    yield layer
+            response = await self._request_fetch(connection, plan, address, landing)
+        except BaseException:
+            checks.cancel()
+            raise
+        reader = response.track
+
+        def stalled() -> None:
+            _cancel(connection, response.request_id)
+            wake.set()
+
+        if landing is None:
+            watchdog = Watchdog(self.timeout, stalled)
+            objects = ObjectFeed(assembler, in_band=False)  # the record is authoritative
+            landed = _paced(reader, objects, checks, watchdog)
+        else:
+            watchdog = Watchdog(self.timeout, stalled, progress=lambda: landing.progress)
+            landed = _land(reader, landing, watchdog, wake)
+        try:
+            async for layer in landed:
+                yield layer
+            async for layer in _last_batches(checks, assembler.complete and not watchdog.fired):
+                yield layer
         except SessionClosedError as exc:
             raise TransportError(f"the session with {plan.record.holder} ended: {exc}") from exc
         finally:
+            await landed.aclose()  # at once, also when the consumer stopped early
             checks.cancel()
             watchdog.cancel()
             if not reader.ended:
@@ -353,14 +384,24 @@ class MoqtBlockClient:
         return (plan.address,)
 
     async def _request_fetch(
-        self, connection: MOQTConnection, plan: FetchPlan, address: MoqtAddress
+        self,
+        connection: MOQTConnection,
+        plan: FetchPlan,
+        address: MoqtAddress,
+        landing: FetchLanding | None,
     ) -> FetchResponse:
         start, end = layer_range_locations(plan.first, plan.last)
         track = stored_track_name(plan.record.digest)
+        fetch = connection.fetch(
+            plan.namespace,
+            track,
+            start,
+            end,
+            payload_sink=None if landing is None else landing.payload,
+            object_end=None if landing is None else landing.object_end,
+        )
         try:
-            return await asyncio.wait_for(
-                connection.fetch(plan.namespace, track, start, end), self.timeout
-            )
+            return await asyncio.wait_for(fetch, self.timeout)
         except RequestRejected as exc:
             raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
@@ -398,7 +439,12 @@ class MoqtBlockClient:
 
         def assembler() -> LayerAssembler:
             return LayerAssembler(
-                geometry, 0, geometry.layers - 1, token_count=block_tokens, sink=sink
+                geometry,
+                0,
+                geometry.layers - 1,
+                token_count=block_tokens,
+                sink=sink,
+                allocate=self.buffers.take,
             )
 
         def run(stream: BlockStream[LiveBlock]) -> AsyncGenerator[Layer, None]:
@@ -488,6 +534,105 @@ class MoqtBlockClient:
         except (SessionClosedError, TimeoutError) as exc:
             self._forget(address, connection)
             raise TransportError(f"SUBSCRIBE at {address} failed: {exc!r}") from exc
+
+
+async def _land(
+    reader: TrackReader, landing: FetchLanding, watchdog: Watchdog, wake: _Wake
+) -> AsyncGenerator[Layer, None]:
+    """The layers of a FETCH, as they pass their checks, while its objects land through the
+    payload sink the request was made with (:class:`~kvsp.transfer.moqt_transfer.FetchLanding`),
+    until the track ends or the watchdog fires; then the stream's own events, raising on a
+    reset or malformed one.
+
+    Raises:
+        TransportError: the data stream was reset or found malformed. SessionClosedError.
+        ContainerError, DigestMismatch: from the landing.
+    """
+    ending = asyncio.ensure_future(reader.finished())
+    ending.add_done_callback(wake.settle)
+    try:
+        while True:
+            for layer in landing.checks.ready():
+                yield layer
+            if landing.error is not None:
+                raise landing.error
+            if reader.ended or watchdog.fired:
+                break
+            await wake.wait()
+    finally:
+        reader.set_payload_sink(None)  # the reader may outlive the fetch: not the block
+        ending.cancel()
+    if reader.ended:
+        async for event in reader.events():  # the stream's own events, queued
+            if isinstance(event, DataStreamReset | MalformedTrackDetected):
+                raise TransportError(f"the block's data stream broke off: {event}")
+
+
+async def _last_batches(checks: LayerChecks, complete: bool) -> AsyncGenerator[Layer, None]:
+    """The transfer has ended: hash the last batches and hand their layers out (none when it
+    did not ``complete``: what is queued is dropped).
+
+    Raises:
+        DigestMismatch: a layer differs from the record.
+    """
+    if not complete:
+        checks.cancel()
+    while checks.pending:
+        await checks.wait()
+        for layer in checks.ready():
+            yield layer
+
+
+async def _paced(
+    reader: TrackReader, objects: ObjectFeed, checks: LayerChecks, watchdog: Watchdog
+) -> AsyncGenerator[Layer, None]:
+    """The layers of a FETCH into a caller's sink, each event taken in the consumer's task
+    (see :meth:`MoqtBlockClient._fetch`), handed out as they pass their checks.
+
+    Raises:
+        TransportError: the data stream was reset or found malformed. SessionClosedError.
+        ContainerError, DigestMismatch: an object that is not a layer, a layer that differs.
+    """
+    async for event in reader.events():
+        watchdog.progress += 1
+        done = objects.on(event)
+        if done is None:
+            continue
+        checks.add(done[0], done[1])
+        for layer in checks.ready():
+            yield layer
+
+
+class _Wake:
+    """What a FETCH's consumer waits for: a flag that the payload sink, the hash jobs, the
+    watchdog and the track's end set (one future a wait, none while the flag is up)."""
+
+    __slots__ = ("_up", "_waiter")
+
+    def __init__(self) -> None:
+        self._up = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        self._up = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def settle(self, ended: asyncio.Future[None]) -> None:
+        """The track ended (its error, if any, is raised by the reader's iterator)."""
+        if not ended.cancelled():
+            ended.exception()
+        self.set()
+
+    async def wait(self) -> None:
+        if not self._up:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._up = False
 
 
 def _cancel(connection: MOQTConnection, request_id: int, *, fetch: bool = True) -> None:

@@ -198,22 +198,30 @@ class BlockStream(Generic[T]):
 
 
 class Watchdog:
-    """Calls ``on_stall`` when ``progress`` has not moved for ``idle`` seconds."""
+    """Calls ``on_stall`` when ``progress`` (the attribute, or what the callable given as
+    ``progress`` returns) has not moved for ``idle`` seconds."""
 
-    def __init__(self, idle: float, on_stall: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        idle: float,
+        on_stall: Callable[[], None],
+        progress: Callable[[], int] | None = None,
+    ) -> None:
         self.progress = 0
         self.fired = False
         self._seen = -1
         self._idle = idle
         self._on_stall = on_stall
+        self._measure = progress
         self._handle = asyncio.get_running_loop().call_later(idle, self._check)
 
     def _check(self) -> None:
-        if self.progress == self._seen:
+        progress = self.progress if self._measure is None else self._measure()
+        if progress == self._seen:
             self.fired = True
             self._on_stall()
             return
-        self._seen = self.progress
+        self._seen = progress
         self._handle = asyncio.get_running_loop().call_later(self._idle, self._check)
 
     def cancel(self) -> None:
@@ -262,6 +270,81 @@ class ObjectFeed:
         return None
 
 
+class FetchLanding:
+    """The payload sink of a FETCH (:meth:`moqt.transport.TrackReader.set_payload_sink` with
+    ``object_end``): pieces go into the :class:`LayerAssembler` and each ended layer into the
+    :class:`LayerChecks` from the session's receive path, so a block of many objects costs no
+    event and no wake-up of the consumer per piece, header or end. Status objects (a relay's
+    END_OF_GROUP) are skipped, and in-band digests are not read (the record is authoritative).
+
+    A callback never raises into the carrier's receive path: the first error (an object that
+    is not a layer of the block, a mismatch found inline) is kept in :attr:`error`, everything
+    after it is ignored, and ``wake`` tells the consumer, which raises it. ``wake`` is also
+    called when a layer was checked at once (hashed as it arrived); batched layers wake the
+    consumer when their job ends (:class:`LayerChecks` ``on_hashed``).
+    """
+
+    def __init__(
+        self, assembler: LayerAssembler, checks: LayerChecks, wake: Callable[[], None]
+    ) -> None:
+        self.assembler = assembler
+        self.checks = checks
+        self.progress = 0
+        """Pieces and ends taken so far (the watchdog's measure)."""
+        self.error: Exception | None = None
+        self._wake = wake
+        self._open: ObjectHeader | None = None  # the object the assembler has begun
+        self._skipping: ObjectHeader | None = None  # a status object in progress
+
+    def payload(self, header: ObjectHeader, data: memoryview, offset: int) -> None:
+        """A piece of ``header``'s payload (the sink)."""
+        self.progress += 1
+        if self.error is not None or header is self._skipping:
+            return
+        try:
+            if header is not self._open:
+                self._begin(header)
+            if header is self._open:
+                self.assembler.feed(data)
+        except Exception as exc:  # noqa: BLE001 - raised by the consumer (see the class)
+            self._fail(exc)
+
+    def object_end(self, header: ObjectHeader) -> None:
+        """``header``'s object is complete (the object-end sink)."""
+        self.progress += 1
+        if self.error is not None:
+            return
+        if header is self._skipping:
+            self._skipping = None
+            return
+        try:
+            if header is not self._open:  # an object without payload octets
+                self._begin(header)
+                if header is not self._open:
+                    self._skipping = None
+                    return
+            self._open = None
+            layer, digest = self.assembler.end()
+            self.checks.add(layer, digest)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+            return
+        if digest is not None:
+            self._wake()
+
+    def _begin(self, header: ObjectHeader) -> None:
+        start = header.object
+        if start.status != ObjectStatus.NORMAL:
+            self._skipping = header
+            return
+        self.assembler.begin(start.group_id, start.object_id, start.payload_length)
+        self._open = header
+
+    def _fail(self, exc: Exception) -> None:
+        self.error = exc
+        self._wake()
+
+
 def in_band_digest(extensions: tuple[KeyValuePair, ...]) -> bytes | None:
     """The layer digest an object carries in its extensions (DESIGN.md §4), if any.
 
@@ -295,14 +378,11 @@ def digest_layers(layers: Sequence[Layer]) -> list[bytes]:
 def digest_span(data: memoryview, size: int) -> list[bytes]:
     """The digests of the ``size``-octet layers that ``data`` holds one after another: one
     worker-thread job. With :mod:`kvsp.sha256x2`, one native call that takes the GIL back once
-    (hashlib would take it back after every layer, each time waiting for the event loop)."""
+    (hashlib would take it back after every layer, each time waiting for the event loop) and
+    hashes two layers at a time on its interleaved lanes."""
     if not sha256x2.ACCELERATED:
         return [hashlib.sha256(data[at : at + size]).digest() for at in range(0, len(data), size)]
-    whole, layer = sha256x2.Sha256(), sha256x2.Sha256()  # feed_layers hashes the span twice:
-    # whole (unused) takes all of it, layer restarts at each layer end
-    digests = sha256x2.feed_layers(whole, layer, data, range(size, len(data), size))
-    digests.append(layer.digest())
-    return digests
+    return sha256x2.digests(data, size)
 
 
 class LayerChecks:
@@ -311,7 +391,8 @@ class LayerChecks:
     :meth:`add` takes each layer as its object ends, with its digest when the assembler hashed
     it as it arrived (checked at once), or without: then it is queued, and once the queue holds
     ``batch`` octets (or at :meth:`flush`) the queued layers are hashed in one worker-thread
-    job (``span``, where given, views consecutive layers as one buffer, hashed in one call).
+    job (``span``, where given, views consecutive layers as one buffer, hashed in one call);
+    ``on_hashed`` is called on the event loop as each job finishes.
     :meth:`ready` hands out the layers that matched, in order, up to the first that did
     not, which raises :class:`~kvsp.errors.DigestMismatch` naming it: no later layer is handed
     out. With ``expected`` None (no ``layer_digests``) nothing is handed out until
@@ -326,8 +407,10 @@ class LayerChecks:
         batch: int = HASH_BATCH,
         executor: Executor | None = None,
         span: Callable[[int, int], memoryview | None] | None = None,
+        on_hashed: Callable[[], None] | None = None,
     ) -> None:
         self._expected = expected
+        self._on_hashed = on_hashed
         self._span = span
         self._replica = replica
         self._batch = batch
@@ -372,6 +455,9 @@ class LayerChecks:
             job = loop.run_in_executor(executor, digest_span, whole, len(whole) // len(batch))
         else:
             job = loop.run_in_executor(executor, digest_layers, batch)
+        if self._on_hashed is not None:
+            on_hashed = self._on_hashed
+            job.add_done_callback(lambda _: on_hashed())
         self._jobs.append((batch, job))
 
     def _check(self, layer: Layer, digest: bytes) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moqt.asyncio import MOQTConnection, SessionClosedError
 from moqt.certs import make_self_signed
@@ -24,6 +26,7 @@ from moqt.errors import PublishDoneCode, RequestErrorCode, SessionError
 from moqt.messages import StandaloneFetch
 from moqt.qmux import QMuxConfig
 from moqt.qmux_asyncio import (
+    TLS_WRITE_BATCH,
     QMuxEndpoint,
     QMuxServer,
     ReceiveBuffers,
@@ -408,3 +411,77 @@ def test_receive_buffers_hand_out_read_only_bytes_never_overwritten() -> None:
     assert third.obj is not first.obj
     assert len(buffers.get_buffer(5000)) == 5000  # full: a fresh one, as large as the hint
     assert first == b"a" * 600 and second == b"b" * 200 and third == b"c" * 1000
+
+
+def fill(buffers: ReceiveBuffers, octet: int, count: int) -> memoryview:
+    tail = buffers.get_buffer(-1)
+    tail[:count] = bytes([octet]) * count
+    return buffers.filled(count)
+
+
+def test_receive_buffers_take_a_buffer_again_once_no_slice_of_it_is_left() -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300)
+    first = fill(buffers, 1, 1000)
+    owner = first.obj
+    del first  # every slice of the first buffer is gone
+    second = fill(buffers, 2, 1000)  # a second buffer: the first is the spare
+    assert second.obj is not owner
+    third = fill(buffers, 3, 1000)  # the spare again, written over
+    assert third.obj is owner and third == b"\x03" * 1000 and len(owner) == 1000
+    assert second == b"\x02" * 1000
+
+
+def test_receive_buffers_never_write_a_buffer_that_a_slice_still_views() -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300)
+    kept = fill(buffers, 1, 1000)[10:20]  # a slice of a slice: it still views the buffer
+    copy = memoryview(kept)  # and a view made from it
+    del kept
+    second = fill(buffers, 2, 1000)
+    third = fill(buffers, 3, 1000)
+    assert third.obj is not copy.obj and third.obj is not second.obj
+    assert copy == b"\x01" * 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 1000), st.booleans()), min_size=1, max_size=40))
+def test_receive_buffers_keep_every_held_slice_intact(reads: list[tuple[int, bool]]) -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300)
+    held: list[tuple[memoryview, bytes]] = []
+    for index, (count, keep) in enumerate(reads):
+        tail = buffers.get_buffer(-1)
+        count = min(count, len(tail))
+        tail[:count] = bytes([index % 251]) * count
+        data = buffers.filled(count)
+        if keep:
+            held.append((data, bytes(data)))
+        del data, tail
+        assert all(view == expected for view, expected in held)
+
+
+def test_tls_hands_its_transport_batches_so_the_peer_decrypts_while_more_is_encrypted(
+    certs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """asyncio's TLS transport encrypts all of a write before it sends any of it: 6 MiB of
+    objects reach it in many batches of about TLS_WRITE_BATCH, not in one."""
+    written: list[int] = []
+
+    async def handler(connection: MOQTConnection) -> None:
+        transport = connection._protocol._transport  # type: ignore[attr-defined]
+        writelines = transport.writelines
+
+        def counting(buffers: list[bytes]) -> None:
+            written.append(sum(len(buffer) for buffer in buffers))
+            writelines(buffers)
+
+        transport.writelines = counting
+        await publisher(connection)
+
+    async def client(connection: MOQTConnection) -> None:
+        response = await connection.fetch(NS, TRACK, Location(0, 0), Location(0, 3))
+        objects = [obj async for obj in response.track.objects()]
+        assert [bytes(obj.payload) for obj in objects] == OBJECTS
+
+    run(Carrier("tls", certs, tmp_path), client, handler=handler)
+    assert sum(written) > 3 * OBJECT
+    assert max(written) <= 2 * TLS_WRITE_BATCH, written
+    assert len([size for size in written if size >= TLS_WRITE_BATCH // 2]) >= 12

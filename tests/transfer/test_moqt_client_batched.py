@@ -8,6 +8,7 @@ replica digest before handing any out; on real sockets (QUIC on 127.0.0.1) and w
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -154,6 +155,26 @@ def test_a_large_block_is_handed_out_in_order_verified_on_worker_threads(
     run(test)
 
 
+def test_a_dropped_block_lends_its_memory_to_the_next_and_a_kept_one_stays_intact(
+    certs: tuple[str, str],
+) -> None:
+    async def test() -> None:
+        async with holder(certs) as h:
+            h.blocks.add(stored())
+            pool = h.client.buffers
+            asked = record(h.uri)
+            kept = await h.client.get_block(asked, geometry=GEOMETRY, block_tokens=TOKENS)
+            second = await h.client.get_block(asked, geometry=GEOMETRY, block_tokens=TOKENS)
+            assert (pool.allocated, pool.reused) == (2, 0)  # the kept block's memory is its own
+            del second
+            gc.collect()
+            third = await h.client.get_block(asked, geometry=GEOMETRY, block_tokens=TOKENS)
+            assert (pool.allocated, pool.reused) == (2, 1)
+            assert kept.encode() == third.encode() == CONTAINER
+
+    run(test)
+
+
 def test_a_corrupted_layer_in_a_large_block_stops_the_transfer_there(
     certs: tuple[str, str], hashed_on: list[str]
 ) -> None:
@@ -231,6 +252,36 @@ def test_a_large_block_lands_in_the_sink_verified(
             with pytest.raises(DigestMismatch, match=f"layer {BAD}:"):
                 await bad.block()
         assert any(name.startswith("kvsp-moqt-hash") for name in hashed_on)
+
+    run(test)
+
+
+class PacedSink(Sink):
+    """A sink with one staging buffer (as kvsp.engine.sink's on a device): a layer's buffer
+    may be asked for only once the layer before it was handed out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: list[int] = []
+
+    def layer_buffer(self, index: int, k_len: int, v_len: int) -> tuple[memoryview, memoryview]:
+        assert not self.buffers or max(self.buffers) in self.handed, (index, self.handed)
+        return super().layer_buffer(index, k_len, v_len)
+
+
+def test_a_sink_is_asked_for_each_layer_only_after_the_one_before_was_handed_out(
+    certs: tuple[str, str],
+) -> None:
+    async def test() -> None:
+        async with holder(certs) as h:
+            h.blocks.add(stored())
+            h.client.hash_inline_below = len(CONTAINER) + 1  # each layer checked as it ends
+            sink = PacedSink()
+            stream = h.client.stream_block(record(h.uri), geometry=GEOMETRY, sink=sink)
+            async for layer in stream:
+                sink.handed.append(layer.index)
+            await stream.block()
+            assert sink.handed == list(range(GEOMETRY.layers))
 
     run(test)
 

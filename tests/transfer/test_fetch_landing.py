@@ -1,0 +1,149 @@
+"""The payload sink of a FETCH (:class:`~kvsp.transfer.moqt_transfer.FetchLanding`): pieces in
+any chunking land as the block's layers and reach the §6.7 checks; status objects are skipped;
+an object that is not a layer, or a layer that fails its digest, is kept as the error (never
+raised into the receive path) and nothing after it is taken. In process, no sockets: the
+end-to-end FETCHes are in test_moqt_client*.py."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsp.container import Geometry, Layer
+from kvsp.errors import ContainerError, DigestMismatch
+from kvsp.moqt_mapping import LayerAssembler
+from kvsp.transfer.moqt_transfer import FetchLanding, LayerChecks, Watchdog
+from moqt.errors import ObjectStatus
+from moqt.objects import ObjectStart
+from moqt.session_events import ObjectHeader
+
+GEOMETRY = Geometry(layers=4, kv_heads=1, head_dim=8, element_size=2)
+TOKENS = 2
+PAYLOAD = 2 * GEOMETRY.section_length(TOKENS)  # K ‖ V of one layer: 64 octets
+LAYERS = [bytes([i]) * (PAYLOAD // 2) + bytes([0x80 | i]) * (PAYLOAD // 2) for i in range(4)]
+DIGESTS = [hashlib.sha256(layer).digest() for layer in LAYERS]
+
+
+def header(
+    object_id: int, length: int = PAYLOAD, status: ObjectStatus = ObjectStatus.NORMAL
+) -> ObjectHeader:
+    start = ObjectStart(
+        group_id=0,
+        subgroup_id=0,
+        object_id=object_id,
+        publisher_priority=0,
+        extensions=(),
+        payload_length=length,
+        status=status,
+    )
+    return ObjectHeader(stream_id=3, request_id=1, track_alias=None, object=start)
+
+
+class Landed:
+    def __init__(self, digests: list[bytes] = DIGESTS, hash_below: int | None = None) -> None:
+        self.assembler = LayerAssembler(GEOMETRY, 0, 3, token_count=TOKENS, hash_below=hash_below)
+        self.checks = LayerChecks(digests, b"\0" * 32)
+        self.wakes = 0
+        self.landing = FetchLanding(self.assembler, self.checks, self.wake)
+
+    def wake(self) -> None:
+        self.wakes += 1
+
+    def send(self, h: ObjectHeader, payload: bytes, cuts: list[int]) -> None:
+        view = memoryview(payload)
+        bounds = [0, *sorted(c for c in cuts if 0 < c < len(payload)), len(payload)]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            if b > a:
+                self.landing.payload(h, view[a:b], a)
+        self.landing.object_end(h)
+
+    def ready(self) -> list[Layer]:
+        return list(self.checks.ready())
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.lists(st.integers(0, PAYLOAD), max_size=6), min_size=4, max_size=4))
+def test_pieces_in_any_chunking_land_as_the_layers_checked_inline(cuts: list[list[int]]) -> None:
+    landed = Landed()
+    for index, layer in enumerate(LAYERS):
+        landed.send(header(index), layer, cuts[index])
+    assert landed.landing.error is None and landed.wakes == 4
+    assert [bytes(layer.k) + bytes(layer.v) for layer in landed.ready()] == LAYERS
+    assert landed.assembler.complete
+
+
+def test_layers_left_for_the_hash_jobs_do_not_wake_the_consumer() -> None:
+    landed = Landed(hash_below=0)  # nothing hashed as it arrives: the layers queue for a job
+    for index, layer in enumerate(LAYERS):
+        landed.send(header(index), layer, [9])
+    assert landed.landing.error is None and landed.wakes == 0
+    assert landed.checks.pending and not landed.ready()
+
+
+def test_byte_at_a_time() -> None:
+    landed = Landed()
+    for index, layer in enumerate(LAYERS):
+        landed.send(header(index), layer, list(range(1, PAYLOAD)))
+    assert [layer.index for layer in landed.ready()] == [0, 1, 2, 3]
+    assert landed.landing.progress == 4 * (PAYLOAD + 1)
+
+
+def test_a_status_object_is_skipped() -> None:
+    landed = Landed()
+    landed.send(header(0), LAYERS[0], [])
+    landed.send(header(1, 0, ObjectStatus.END_OF_GROUP), b"", [])
+    for index in (1, 2, 3):
+        landed.send(header(index), LAYERS[index], [7])
+    assert landed.landing.error is None
+    assert [layer.index for layer in landed.ready()] == [0, 1, 2, 3]
+
+
+def test_an_object_that_is_not_a_layer_is_kept_as_the_error_and_nothing_more_is_taken() -> None:
+    landed = Landed()
+    landed.send(header(0), LAYERS[0], [])
+    landed.send(header(0), LAYERS[0], [])  # layer 0 again: raised by the assembler
+    assert isinstance(landed.landing.error, ContainerError) and landed.wakes == 2
+    progress = landed.landing.progress
+    landed.send(header(1), LAYERS[1], [])  # ignored
+    assert landed.landing.error is not None and not landed.assembler.complete
+    assert landed.landing.progress > progress  # still counted: the watchdog sees the data
+    assert [layer.index for layer in landed.ready()] == [0]
+
+
+def test_a_truncated_object_is_kept_as_the_error() -> None:
+    landed = Landed()
+    landed.send(header(0), LAYERS[0][:-1], [])
+    assert isinstance(landed.landing.error, ContainerError)
+
+
+def test_a_zero_length_layer_is_kept_as_the_error() -> None:
+    landed = Landed()
+    landed.send(header(0, 0), b"", [])
+    assert isinstance(landed.landing.error, ContainerError)
+
+
+def test_a_layer_that_fails_its_digest_inline_is_kept_as_the_error() -> None:
+    landed = Landed(digests=[DIGESTS[0], DIGESTS[0], DIGESTS[2], DIGESTS[3]])
+    for index, layer in enumerate(LAYERS):
+        landed.send(header(index), layer, [5])
+    assert isinstance(landed.landing.error, DigestMismatch)
+    assert [layer.index for layer in landed.ready()] == [0]
+
+
+def test_the_watchdog_reads_progress_from_the_callable() -> None:
+    async def test() -> None:
+        count = [0]
+        stalls: list[int] = []
+        dog = Watchdog(3600, lambda: stalls.append(1), progress=lambda: count[0])
+        dog._check()  # noqa: SLF001 - the timer's callback, called here instead of waited for
+        count[0] += 1
+        dog._check()  # noqa: SLF001
+        assert not dog.fired and not stalls
+        dog._check()  # noqa: SLF001 - no progress since the last look
+        assert dog.fired and stalls == [1]
+        dog.cancel()
+
+    asyncio.run(test())

@@ -428,14 +428,7 @@ def protocol_class(backend: Backend) -> type:
             self.moqt._dispatch(events)
 
     def transmit(self: Any) -> None:
-        send = getattr(self, "_sendto_many", None)  # qh3 on its batched transport
-        if send is not None and backend.send_as_built(
-            self._quic, self._loop.time(), send, SEND_BATCH
-        ):
-            self._transmit_task = None
-            _rearm_timer(self)
-        else:
-            base.transmit(self)
+        _transmit(self, backend, base)
         connection = self.moqt
         if connection._tick is not None:  # a writer waits for the connection to move
             connection._wake()
@@ -505,6 +498,20 @@ def quic_server_class(backend: Backend) -> type:
     if backend.name != "qh3":
         return cast(type, base)
     return _qh3_retry_server(base)
+
+
+def _transmit(protocol: Any, backend: Backend, base: Any) -> None:
+    """The library's transmit (``base.transmit``), or on qh3's batched transport its datagrams
+    sent as built (:meth:`~moqt.backend.Backend.send_as_built`) and its timer re-armed."""
+    send = getattr(protocol, "_sendto_many", None)
+    if send is None:
+        base.transmit(protocol)
+        return
+    protocol._transmit_task = None  # as the library's transmit: a later write schedules one
+    if backend.send_as_built(protocol._quic, protocol._loop.time(), send, SEND_BATCH):
+        _rearm_timer(protocol)
+    else:
+        base.transmit(protocol)
 
 
 def _rearm_timer(protocol: Any) -> None:

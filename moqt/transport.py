@@ -19,10 +19,10 @@ Initial datagram is padded outside the packet (see :mod:`moqt.backend`), listeni
 batched GRO/GSO datagram transport (one ``sendmsg`` for many datagrams, as qh3's own client
 does). A qh3 transmit sends its datagrams in batches as its connection builds them
 (:meth:`moqt.backend.Backend.send_as_built`), not all of them once all are built. Datagrams
-are read in batches and each connection transmits once per batch: on aioquic's client and
-server by :mod:`moqt.udp_endpoint`'s endpoint, on qh3's client by its library, on qh3's server
-by handing each connection its run of the batch at once. Every QUIC socket gets
-SO_RCVBUF/SO_SNDBUF of ``TransportConfig.socket_buffer``.
+are read in batches and each connection transmits once per batch on aioquic's
+client and server (:mod:`moqt.udp_endpoint`'s endpoint); qh3's server keeps its library's
+per-datagram dispatch. Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of
+``TransportConfig.socket_buffer``.
 """
 
 from __future__ import annotations
@@ -488,12 +488,8 @@ def quic_client(
 def quic_server_class(backend: Backend) -> type:
     """The backend's ``QuicServer``; for qh3 one that sends Retry to a client whose Initial
     datagram is padded outside its packets (aioquic's), so qh3's anti-amplification accounting
-    cannot stall the handshake (:mod:`moqt.backend`), and that takes the batch of datagrams its
-    transport read from one address (``datagrams_received``) and hands each run of 1-RTT
-    datagrams for one connection to it at once (one receive and one transmit, so one ACK
-    processed per batch is one call, not one per datagram); others go one at a time through
-    the library's dispatch. aioquic's listens on :mod:`moqt.udp_endpoint`'s endpoint, whose
-    batch its connections defer to."""
+    cannot stall the handshake (:mod:`moqt.backend`). aioquic's listens on
+    :mod:`moqt.udp_endpoint`'s endpoint, whose batch its connections defer to."""
     base: Any = importlib.import_module(f"{backend.name}.asyncio.server").QuicServer
     if backend.name != "qh3":
         return cast(type, base)
@@ -542,32 +538,7 @@ def _qh3_retry_server(base: Any) -> type:
         self._retry = self._moqt_retry if initial_padded_outside_packets(data) else None
         base.datagram_received(self, data, addr)
 
-    def datagrams_received(self: Any, datagrams: list[bytes], addr: Any) -> None:
-        # a batch from one address (qh3's transport reads them so): each run of short-header
-        # datagrams for one known connection goes to it at once (one receive, one transmit);
-        # any other datagram is dispatched alone, as the library does
-        protocols, length = self._protocols, self._configuration.connection_id_length
-        run: list[bytes] = []
-        owner: Any = None
-        for data in datagrams:
-            short = bool(data) and not data[0] & 0x80  # RFC 9000 §17.3: 1-RTT
-            protocol = protocols.get(data[1 : 1 + length]) if short else None
-            if run and protocol is not owner:
-                owner.datagrams_received(run, addr)
-                run = []
-            owner = protocol
-            if protocol is None:
-                datagram_received(self, data, addr)
-            else:
-                run.append(data)
-        if run:
-            owner.datagrams_received(run, addr)
-
-    namespace = {
-        "__init__": __init__,
-        "datagram_received": datagram_received,
-        "datagrams_received": datagrams_received,
-    }
+    namespace = {"__init__": __init__, "datagram_received": datagram_received}
     cls = type("MOQTQuicServer_qh3", (base,), namespace)
     _PROTOCOLS["qh3-server"] = cls
     return cls

@@ -15,8 +15,7 @@ library does; only the per-connection transmit moves to the end of the batch.
 
 qh3 reads in batches already (its GRO/GSO transport, ``recvmmsg`` in Rust) and its client
 protocol takes a batch at once (``datagrams_received``); its ``QuicServer`` does not, so
-:mod:`moqt.transport`'s qh3 server takes the batch and hands each connection its datagrams
-together (one receive, one transmit).
+:mod:`moqt.transport`'s qh3 server takes the batch and uses :class:`TransmitBatch` the same way.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from moqt.backend import get_backend
 from moqt.certs import make_self_signed
 from moqt.messages import StandaloneFetch
 from moqt.session_events import FetchReceived
-from moqt.transport import SEND_BATCH, protocol_class, quic_server_class, transport_socket
+from moqt.transport import SEND_BATCH, protocol_class, transport_socket
 from moqt.udp_endpoint import (
     RECEIVE_BATCH,
     BatchedDatagramTransport,
@@ -369,52 +369,3 @@ def test_a_qh3_transmit_sends_its_datagrams_in_batches_as_they_are_built(
     assert max(sends) <= SEND_BATCH
     assert max(transmits) > 1  # a transmit sent its first batches before building the rest
     assert timers and all(timers)
-
-
-class RunRecorder:
-    """A stand-in connection protocol: what the server handed it, batch by batch."""
-
-    def __init__(self, calls: list[tuple[str, list[bytes]]], name: str) -> None:
-        self.calls, self.name = calls, name
-
-    def datagrams_received(self, datagrams: list[bytes], addr: Any) -> None:
-        self.calls.append((self.name, list(datagrams)))
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.calls.append((self.name + " alone", [data]))
-
-
-@NEEDS_QH3
-def test_a_qh3_server_hands_each_connection_its_run_of_a_batch_at_once() -> None:
-    """Short-header datagrams go to the connection their Destination Connection ID names,
-    consecutive ones of one connection together; a long-header datagram (the handshake's)
-    and one for no connection take the library's one-at-a-time dispatch."""
-    cid_a, cid_b, unknown = b"A" * 8, b"B" * 8, b"U" * 8
-
-    def short(cid: bytes, n: int) -> bytes:
-        return b"\x40" + cid + b"%d" % n
-
-    # a Handshake packet (RFC 9000 §17.2.4): version 1, DCID a, no SCID, 32 bytes
-    long_a = b"\xe0\x00\x00\x00\x01\x08" + cid_a + b"\x00\x40\x20" + b"\x00" * 32
-    batch = [short(cid_a, 1), short(cid_a, 2), short(cid_b, 3), long_a, short(cid_a, 4)]
-    batch += [short(unknown, 5), short(cid_a, 6), short(cid_a, 7)]
-    calls: list[tuple[str, list[bytes]]] = []
-
-    async def scenario() -> None:
-        cls = quic_server_class(get_backend("qh3"))
-        config = get_backend("qh3").QuicConfiguration(is_client=False)
-        server: Any = cls.__new__(cls)
-        server._configuration = config
-        server._protocols = {cid_a: RunRecorder(calls, "a"), cid_b: RunRecorder(calls, "b")}
-        server._retry = server._moqt_retry = None
-        server._transport = None
-        server.datagrams_received(batch, ("127.0.0.1", 5000))
-
-    asyncio.run(scenario())
-    assert calls == [
-        ("a", [short(cid_a, 1), short(cid_a, 2)]),
-        ("b", [short(cid_b, 3)]),
-        ("a alone", [long_a]),
-        ("a", [short(cid_a, 4)]),
-        ("a", [short(cid_a, 6), short(cid_a, 7)]),  # the unknown one dropped between
-    ]

@@ -22,8 +22,9 @@ same event classes), so the MOQT session runs on either. What differs, and lives
   and the raw-QUIC floor of ``bench/bench_moqt.py``, so both stand on the same QUIC);
 * qh3's ``datagrams_to_send`` builds every datagram the connection may send before its
   protocol sends the first; :meth:`Backend.send_as_built` sends them in batches as they are
-  built instead, so sender and receiver work at once (RFC 9002 §7.7 paces by the congestion
-  window and RTT, neither of which asks a sender to hold built datagrams back);
+  built instead, so sender and receiver work at once (what may be built is still the
+  connection's to decide: congestion window and pacer, RFC 9002 §7 and §7.7; the private
+  attributes it and :mod:`moqt.transport` use are qh3 2.1's, the version the extra pins);
 * anti-amplification: aioquic pads a client Initial datagram to 1200 bytes with zeros *after*
   its Initial packet, and qh3's server counts only the bytes of packets it parses toward the 3x
   limit (RFC 9000 §8.1 asks for every byte of the datagram). A qh3 server then sees ~530 bytes,

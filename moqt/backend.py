@@ -20,6 +20,11 @@ same event classes), so the MOQT session runs on either. What differs, and lives
 * qh3 2.1 does the Python work of packet logging for every datagram it sends even with no
   logger set; :meth:`Backend.quiet` takes it out of such a connection (every MOQT connection,
   and the raw-QUIC floor of ``bench/bench_moqt.py``, so both stand on the same QUIC);
+* qh3's ``datagrams_to_send`` builds every datagram the connection may send before its
+  protocol sends the first; :meth:`Backend.send_as_built` sends them in batches as they are
+  built instead, so sender and receiver work at once (what may be built is still the
+  connection's to decide: congestion window and pacer, RFC 9002 §7 and §7.7; the private
+  attributes it and :mod:`moqt.transport` use are qh3 2.1's, the version the extra pins);
 * anti-amplification: aioquic pads a client Initial datagram to 1200 bytes with zeros *after*
   its Initial packet, and qh3's server counts only the bytes of packets it parses toward the 3x
   limit (RFC 9000 §8.1 asks for every byte of the datagram). A qh3 server then sees ~530 bytes,
@@ -37,10 +42,11 @@ from __future__ import annotations
 
 import importlib
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from .errors import NeedMoreData
 from .wire import Reader
@@ -214,6 +220,43 @@ class Backend:
             quic._log_packets = _no_log  # the instance attribute shadows the method
             quic._log_datagram = _no_log
 
+    def send_as_built(
+        self, quic: Any, now: float, send: Callable[[list[bytes], Any], None], batch: int
+    ) -> bool:
+        """Send the datagrams ``quic`` may send now by ``send(datagrams, addr)``, up to
+        ``batch`` at a time, each batch as soon as it is built; False (nothing done) where
+        the backend cannot (aioquic; a qh3 connection with a QUIC logger or not started).
+
+        qh3's ``datagrams_to_send`` builds every datagram the connection may send (all of a
+        large write when the congestion window allows) into one list before its protocol
+        sends any: the peer idles while they are built, then the sender idles while the peer
+        reads them. This polls the connection core one datagram at a time, as
+        ``datagrams_to_send`` does (less its logging calls, which do nothing on a connection
+        :meth:`quiet` made quiet), and sends every ``batch`` built. A core failure raises
+        what ``datagrams_to_send`` raises (``QuicConnectionError``, INTERNAL_ERROR).
+        """
+        if self.name != "qh3" or getattr(quic, "_quic_logger", True) is not None:
+            return False
+        core = getattr(quic, "_core", None)
+        if core is None:
+            return False
+        poll = core.poll_transmit
+        ready: list[bytes] = []
+        target: Any = None
+        try:
+            while (item := poll(now)) is not None:
+                data, addr = item[0], item[1]
+                if ready and (len(ready) >= batch or addr != target):
+                    send(ready, target)
+                    ready = []
+                ready.append(data)
+                target = addr
+        except RuntimeError as exc:
+            raise _qh3_error(exc) from exc
+        if ready:
+            send(ready, target)
+        return True
+
     def send_buffer_size(self, quic: Any, stream_id: int) -> int:
         """Bytes the stream still holds in its send buffer (unsent, or unacknowledged)."""
         if self.name == "qh3":
@@ -227,6 +270,13 @@ class Backend:
 
 def _no_log(event: str, data: bytes) -> None:
     """What packet logging does without a logger."""
+
+
+def _qh3_error(exc: RuntimeError) -> Exception:
+    """The error qh3's ``QuicConnection`` raises for a failure of its connection core."""
+    connection = importlib.import_module("qh3.quic.connection")
+    code = importlib.import_module("qh3.quic.packet").QuicErrorCode.INTERNAL_ERROR
+    return cast(Exception, connection.QuicConnectionError(code, None, str(exc)))
 
 
 def _load(name: str) -> Backend:

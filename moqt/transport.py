@@ -17,7 +17,9 @@ The glue is the QUIC library's own ``QuicConnectionProtocol`` (aioquic or qh3) s
 a session, and for qh3 a ``QuicServer`` that validates the client's address with Retry when its
 Initial datagram is padded outside the packet (see :mod:`moqt.backend`), listening on qh3's
 batched GRO/GSO datagram transport (one ``sendmsg`` for many datagrams, as qh3's own client
-does). Datagrams are read in batches and each connection transmits once per batch on aioquic's
+does). A qh3 transmit sends its datagrams in batches as its connection builds them
+(:meth:`moqt.backend.Backend.send_as_built`), not all of them once all are built. Datagrams
+are read in batches and each connection transmits once per batch on aioquic's
 client and server (:mod:`moqt.udp_endpoint`'s endpoint); qh3's server keeps its library's
 per-datagram dispatch. Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of
 ``TransportConfig.socket_buffer``.
@@ -373,6 +375,9 @@ class ProtocolSetup:
 
 
 _PROTOCOLS: dict[str, type] = {}
+SEND_BATCH = 64
+"""Datagrams a qh3 transmit builds before it hands them to the transport: one UDP GSO send at
+most (the kernel's ``UDP_MAX_SEGMENTS``), so the first leave while the rest are being built."""
 
 
 def protocol_class(backend: Backend) -> type:
@@ -383,7 +388,9 @@ def protocol_class(backend: Backend) -> type:
     A datagram that arrives while its endpoint's :class:`~moqt.udp_endpoint.TransmitBatch` is
     open is fed to QUIC and its events handled at once; the transmit waits for the batch's end
     (one per batch). The batch is the transport's (``transmit_batch``), or one a server sets as
-    ``_moqt_batch``."""
+    ``_moqt_batch``. On qh3's batched transport a transmit sends :data:`SEND_BATCH` datagrams at
+    a time as they are built (:meth:`~moqt.backend.Backend.send_as_built`), then re-arms the
+    connection's timer as the library's transmit does."""
     cached = _PROTOCOLS.get(backend.name)
     if cached is not None:
         return cached
@@ -421,7 +428,7 @@ def protocol_class(backend: Backend) -> type:
             self.moqt._dispatch(events)
 
     def transmit(self: Any) -> None:
-        base.transmit(self)
+        _transmit(self, backend, base)
         connection = self.moqt
         if connection._tick is not None:  # a writer waits for the connection to move
             connection._wake()
@@ -487,6 +494,33 @@ def quic_server_class(backend: Backend) -> type:
     if backend.name != "qh3":
         return cast(type, base)
     return _qh3_retry_server(base)
+
+
+def _transmit(protocol: Any, backend: Backend, base: Any) -> None:
+    """The library's transmit (``base.transmit``), or on qh3's batched transport its datagrams
+    sent as built (:meth:`~moqt.backend.Backend.send_as_built`) and its timer re-armed."""
+    send = getattr(protocol, "_sendto_many", None)
+    if send is None:
+        base.transmit(protocol)
+        return
+    protocol._transmit_task = None  # as the library's transmit: a later write schedules one
+    if backend.send_as_built(protocol._quic, protocol._loop.time(), send, SEND_BATCH):
+        _rearm_timer(protocol)
+    else:
+        base.transmit(protocol)
+
+
+def _rearm_timer(protocol: Any) -> None:
+    """What qh3's ``QuicConnectionProtocol.transmit`` does after sending: (re)arm the call of
+    its ``_handle_timer`` at the connection's next timer (loss detection, ACK delay, pacing,
+    idle), cancelling one armed for another time."""
+    timer_at = protocol._quic.get_timer()
+    if protocol._timer is not None and protocol._timer_at != timer_at:
+        protocol._timer.cancel()
+        protocol._timer = None
+    if protocol._timer is None and timer_at is not None:
+        protocol._timer = protocol._loop.call_at(timer_at, protocol._handle_timer)
+    protocol._timer_at = timer_at
 
 
 def _qh3_retry_server(base: Any) -> type:

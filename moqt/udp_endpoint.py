@@ -14,8 +14,11 @@ server's ``QuicServer`` keeps dispatching by connection ID, Retry and version ne
 library does; only the per-connection transmit moves to the end of the batch.
 
 qh3 reads in batches already (its GRO/GSO transport, ``recvmmsg`` in Rust) and its client
-protocol takes a batch at once (``datagrams_received``); its ``QuicServer`` does not, so
-:mod:`moqt.transport`'s qh3 server takes the batch and uses :class:`TransmitBatch` the same way.
+protocol takes a batch at once (``datagrams_received``); its ``QuicServer`` dispatches the
+batch one datagram at a time, each connection transmitting after each of its datagrams, and
+:mod:`moqt.transport` keeps that: a relay that forwards an object and then finds the next one
+malformed resets its downstream stream in a later transmit than the object's, so the
+subscriber receives the stream before its reset (tests/relay/test_relay_events.py).
 """
 
 from __future__ import annotations

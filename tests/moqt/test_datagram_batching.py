@@ -19,7 +19,7 @@ from moqt.backend import get_backend
 from moqt.certs import make_self_signed
 from moqt.messages import StandaloneFetch
 from moqt.session_events import FetchReceived
-from moqt.transport import transport_socket
+from moqt.transport import SEND_BATCH, protocol_class, transport_socket
 from moqt.udp_endpoint import (
     RECEIVE_BATCH,
     BatchedDatagramTransport,
@@ -305,3 +305,67 @@ def test_fetch_2_mib_blocks_byte_exact_over_batched_endpoints(
         assert all(isinstance(endpoint, BatchedDatagramTransport) for endpoint in endpoints)
         # bursts of the sender's packets were read together and acknowledged once
         assert deferred[0] > len(batches)
+
+
+@NEEDS_QH3
+def test_a_qh3_transmit_sends_its_datagrams_in_batches_as_they_are_built(
+    cert_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2 MiB FETCH leaves the publisher in sends of at most :data:`SEND_BATCH` datagrams,
+    several per transmit (qh3's own transmit makes one send of all it built), byte-exact."""
+    module: Any = importlib.import_module("qh3.asyncio._transport")
+    sends: list[int] = []  # datagrams per send, the server's
+    sent = [0]  # bytes in them
+    transmits: list[int] = []  # sends per transmit, the server's
+    timers: list[bool] = []  # after each: its timer armed for the connection's next deadline
+    server_transports: list[Any] = []
+    sendto_many = module.OptimizedDatagramTransport.sendto_many
+
+    def counted_sendto_many(self: Any, datagrams: list[bytes], addr: Any = None) -> None:
+        if self in server_transports:
+            sends.append(len(datagrams))
+            sent[0] += sum(map(len, datagrams))
+        sendto_many(self, datagrams, addr)
+
+    monkeypatch.setattr(module.OptimizedDatagramTransport, "sendto_many", counted_sendto_many)
+    cert, key = cert_pair
+    quic = get_backend("qh3")
+
+    async def main() -> None:
+        server = await serve(
+            "127.0.0.1",
+            0,
+            configuration=quic.configuration(
+                is_client=False, certificate=str(cert), private_key=str(key)
+            ),
+            handler=serve_blocks,
+            backend="qh3",
+        )
+        server_transports.append(server._transport)
+        host, port = server.address
+        config = quic.configuration(is_client=True, cafile=str(cert), server_name="localhost")
+        try:
+            async with connect(host, port, configuration=config, backend="qh3") as client:
+                for _ in range(2):
+                    response = await client.fetch(NS, TRACK, Location(0, 0), Location(0, 32))
+                    objects = [obj async for obj in response.track.objects()]
+                    assert b"".join(obj.payload for obj in objects) == BLOCK
+        finally:
+            server.close()
+
+    protocol = protocol_class(quic)
+    transmit = protocol.transmit
+
+    def counted_transmit(self: Any) -> None:
+        before = len(sends)
+        transmit(self)
+        if self._transport in server_transports:
+            transmits.append(len(sends) - before)
+            timers.append(self._timer_at == self._quic.get_timer())
+
+    monkeypatch.setattr(protocol, "transmit", counted_transmit)
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert sent[0] > 2 * len(BLOCK)  # the blocks left through the counted sends
+    assert max(sends) <= SEND_BATCH
+    assert max(transmits) > 1  # a transmit sent its first batches before building the rest
+    assert timers and all(timers)

@@ -1,5 +1,6 @@
 """A FETCH the cache misses, passed upstream and forwarded cut-through (relay/fetch.py), over real
-QUIC on 127.0.0.1: each object goes on downstream as its bytes arrive, and is cached once whole.
+QUIC and over QMux on plain TCP on 127.0.0.1 (publisher and subscriber on the same carrier): each
+object goes on downstream as its bytes arrive, and is cached once whole.
 
 What must hold whatever the upstream does: an object reaches the subscriber whole before the
 stream's FIN, or the stream is reset (never a truncated object passed as whole); an upstream
@@ -11,6 +12,9 @@ holds exactly the objects that arrived whole, byte for byte, with their layer di
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -18,6 +22,8 @@ from moqt.asyncio import MOQTConnection, RequestRejected, connect
 from moqt.backend import TransportConfig, get_backend
 from moqt.certs import make_self_signed
 from moqt.errors import RequestErrorCode, StreamResetCode
+from moqt.qmux_asyncio import QMuxEndpoint, connect_qmux
+from moqt.qmux_config import QMuxConfig
 from moqt.session_events import (
     DataStreamFinished,
     DataStreamReset,
@@ -27,30 +33,81 @@ from moqt.session_events import (
     ObjectHeader,
 )
 from moqt.wire import Location
+from relay.cache import TrackKey
 from relay.relay import Relay
 from tests.support.polling import until
 from tests.support.relay_kit import (
     Block,
     Certs,
+    Publisher,
+    Track,
     block_track,
-    client,
     fetch_all,
     make_block,
     port_of,
-    publishing,
     relay_config,
     run,
     running_relay,
 )
 
 pytestmark = pytest.mark.timeout(60)
-LAYER = 96 << 10  # several QUIC packets and receive batches per object
+LAYER = 96 << 10  # many packets or QMux frames, several receive batches per object
 UPSTREAM_RESET = 0x7  # an application code the relay has no meaning for: passed on as is
+SMALL_WINDOWS = {"max_stream_data": 32 << 10, "max_data": 64 << 10}
+CARRIERS = ["quic", "qmux-tcp"]
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return make_self_signed("localhost", tmp_path_factory.mktemp("relay-certs"))
+
+
+@contextlib.asynccontextmanager
+async def relay_on(certs: Certs, carrier: str) -> AsyncIterator[Relay]:
+    """An open relay that also listens for QMux over plain TCP when ``carrier`` asks for it."""
+    extra = {"qmux_tcp": ("127.0.0.1", 0)} if carrier == "qmux-tcp" else {}
+    async with running_relay(relay_config(certs, **extra)) as relay:
+        yield relay
+
+
+@contextlib.asynccontextmanager
+async def session(
+    relay: Relay, certs: Certs, carrier: str, *, small: bool = False
+) -> AsyncIterator[MOQTConnection]:
+    """A MOQT session to ``relay`` over ``carrier``; ``small``: with small flow-control
+    windows (a subscriber the relay must wait for)."""
+    if carrier == "quic":
+        transport = TransportConfig(**SMALL_WINDOWS) if small else TransportConfig()
+        configuration = get_backend("aioquic").configuration(
+            is_client=True, transport=transport, cafile=str(certs[0]), server_name="localhost"
+        )
+        async with connect(
+            "127.0.0.1", port_of(relay.url), configuration=configuration, transport=transport
+        ) as connection:
+            yield connection
+        return
+    uri = next(uri for uri in relay.carriers if uri.startswith("moqt+tcp://"))
+    endpoint = QMuxEndpoint(carrier="tcp", host="127.0.0.1", port=urlsplit(uri).port)
+    qmux = QMuxConfig(**SMALL_WINDOWS) if small else None
+    async with connect_qmux(endpoint, qmux=qmux) as connection:
+        yield connection
+
+
+@contextlib.asynccontextmanager
+async def publishing_on(
+    relay: Relay, certs: Certs, carrier: str, tracks: dict[TrackKey, Track], block: Block
+) -> AsyncIterator[Publisher]:
+    """The scripted publisher of ``tracks`` over ``carrier``, ``block``'s namespace announced."""
+    async with session(relay, certs, carrier) as connection:
+        publisher = Publisher(connection, tracks)
+        runner = asyncio.create_task(publisher.run())
+        try:
+            await publisher.announce(block.namespace)
+            yield publisher
+        finally:
+            runner.cancel()
+            for task in list(publisher.tasks):
+                task.cancel()
 
 
 def assert_cached_exactly(relay: Relay, block: Block, count: int) -> None:
@@ -116,16 +173,17 @@ def payloads(events: list[MOQTEvent]) -> dict[int, bytes]:
     return {object_id: bytes(data) for object_id, data in seen.items()}
 
 
+@pytest.mark.parametrize("carrier", CARRIERS)
 def test_an_upstream_reset_mid_object_is_passed_on_and_the_part_is_not_cached(
-    certs: Certs,
+    certs: Certs, carrier: str
 ) -> None:
     block = make_block(301, layers=3, size=LAYER)
 
     async def scenario() -> None:
         async with (
-            running_relay(relay_config(certs)) as relay,
-            client(relay.url, certs) as pub,
-            client(relay.url, certs) as sub,
+            relay_on(certs, carrier) as relay,
+            session(relay, certs, carrier) as pub,
+            session(relay, certs, carrier) as sub,
         ):
             await pub.publish_namespace(block.namespace)
             answering = asyncio.create_task(answer_in_part(pub, block, 1, LAYER // 3))
@@ -156,12 +214,15 @@ def relay_objects(relay: Relay, block: Block) -> list[bytes]:
     return [bytes(obj.payload_bytes()) for obj in entry.objects.values()]
 
 
-def test_an_upstream_session_lost_mid_object_resets_the_downstream_stream(certs: Certs) -> None:
+@pytest.mark.parametrize("carrier", CARRIERS)
+def test_an_upstream_session_lost_mid_object_resets_the_downstream_stream(
+    certs: Certs, carrier: str
+) -> None:
     block = make_block(302, layers=3, size=LAYER)
 
     async def scenario() -> None:
-        async with running_relay(relay_config(certs)) as relay, client(relay.url, certs) as sub:
-            async with client(relay.url, certs) as pub:
+        async with relay_on(certs, carrier) as relay, session(relay, certs, carrier) as sub:
+            async with session(relay, certs, carrier) as pub:
                 await pub.publish_namespace(block.namespace)
                 answering = asyncio.create_task(answer_in_part(pub, block, 2, LAYER // 2))
                 reading = asyncio.create_task(read_events(sub, block, 3))
@@ -184,7 +245,10 @@ def test_an_upstream_session_lost_mid_object_resets_the_downstream_stream(certs:
     run(scenario())
 
 
-def test_a_layer_failing_its_digest_resets_the_stream_before_its_fin(certs: Certs) -> None:
+@pytest.mark.parametrize("carrier", CARRIERS)
+def test_a_layer_failing_its_digest_resets_the_stream_before_its_fin(
+    certs: Certs, carrier: str
+) -> None:
     block = make_block(303, layers=4, size=LAYER)
     forged = bytearray(block.layers[2])
     forged[LAYER // 2] ^= 0xFF  # one octet off, the digest extension of the real layer
@@ -195,9 +259,9 @@ def test_a_layer_failing_its_digest_resets_the_stream_before_its_fin(certs: Cert
         tracks = block_track(block)
         tracks[block.track].objects = objects
         async with (
-            running_relay(relay_config(certs)) as relay,
-            publishing(relay.url, certs, tracks, [block.namespace]),
-            client(relay.url, certs) as sub,
+            relay_on(certs, carrier) as relay,
+            publishing_on(relay, certs, carrier, tracks, block),
+            session(relay, certs, carrier) as sub,
         ):
             events = await read_events(sub, block, 4)
             assert not any(isinstance(e, DataStreamFinished) for e in events)
@@ -212,28 +276,25 @@ def test_a_layer_failing_its_digest_resets_the_stream_before_its_fin(certs: Cert
     run(scenario())
 
 
-def test_a_slow_downstream_gets_every_byte_and_the_cache_the_whole_block(certs: Certs) -> None:
+@pytest.mark.parametrize("carrier", CARRIERS)
+def test_a_slow_downstream_gets_every_byte_and_the_cache_the_whole_block(
+    certs: Certs, carrier: str
+) -> None:
     """A subscriber whose flow-control windows are far smaller than the block: the relay
     queues what it cannot send yet (the received pieces themselves) and forwards all of it."""
     block = make_block(304, layers=6, size=256 << 10)
-    small = TransportConfig(max_stream_data=32 << 10, max_data=64 << 10)
-    configuration = get_backend("aioquic").configuration(
-        is_client=True, transport=small, cafile=str(certs[0]), server_name="localhost"
-    )
 
     async def scenario() -> None:
         async with (
-            running_relay(relay_config(certs)) as relay,
-            publishing(relay.url, certs, block_track(block), [block.namespace]) as pub,
-            connect(
-                "127.0.0.1", port_of(relay.url), configuration=configuration, transport=small
-            ) as slow,
+            relay_on(certs, carrier) as relay,
+            publishing_on(relay, certs, carrier, block_track(block), block) as pub,
+            session(relay, certs, carrier, small=True) as slow,
         ):
             objects = await fetch_all(slow, block.track, len(block.layers))
             assert [bytes(obj.payload) for obj in objects] == list(block.layers)
             assert pub.fetches == 1
             assert_cached_exactly(relay, block, len(block.layers))
-            async with client(relay.url, certs) as fast:  # now a hit
+            async with session(relay, certs, carrier) as fast:  # now a hit
                 again = await fetch_all(fast, block.track, len(block.layers))
             assert [bytes(obj.payload) for obj in again] == list(block.layers)
             assert pub.fetches == 1
@@ -241,18 +302,19 @@ def test_a_slow_downstream_gets_every_byte_and_the_cache_the_whole_block(certs: 
     run(scenario())
 
 
+@pytest.mark.parametrize("carrier", CARRIERS)
 def test_two_downstreams_missing_at_once_share_one_upstream_fetch_byte_exact(
-    certs: Certs,
+    certs: Certs, carrier: str
 ) -> None:
     block = make_block(305, layers=5, size=LAYER)
     digest_extensions = [extensions for _, extensions in block.objects()]
 
     async def scenario() -> None:
         async with (
-            running_relay(relay_config(certs)) as relay,
-            publishing(relay.url, certs, block_track(block), [block.namespace]) as pub,
-            client(relay.url, certs) as a,
-            client(relay.url, certs) as b,
+            relay_on(certs, carrier) as relay,
+            publishing_on(relay, certs, carrier, block_track(block), block) as pub,
+            session(relay, certs, carrier) as a,
+            session(relay, certs, carrier) as b,
         ):
             pub.answer_fetches.clear()  # both FETCHes arrive while the miss is in flight
             first = asyncio.ensure_future(fetch_all(a, block.track, len(block.layers)))

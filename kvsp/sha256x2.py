@@ -64,11 +64,15 @@ def digest_pair(a: Sequence[Buffer], b: Sequence[Buffer]) -> tuple[bytes, bytes]
     """
     if PAIRED:
         return cast(tuple[bytes, bytes], _native.digest_pair(a, b))  # type: ignore[union-attr]
-    return digest_pieces(a), digest_pieces(b)
+    return _hashlib_digest(a), _hashlib_digest(b)
 
 
 def digest_pieces(pieces: Sequence[Buffer]) -> bytes:
     """The SHA-256 of one message given as pieces (:mod:`hashlib`, one stream)."""
+    return _hashlib_digest(pieces)
+
+
+def _hashlib_digest(pieces: Sequence[Buffer]) -> bytes:
     hasher = hashlib.sha256()
     for piece in pieces:
         hasher.update(piece)

@@ -16,10 +16,9 @@ downstream stream at once, as the slice of received data it is (no copy, no even
 task switch), with one transmit per batch of received data; the objects completed in that
 batch are cached (their layer digests computed, two objects at a time) just after that
 transmit, so the subscriber works on the bytes meanwhile, and before the stream's FIN is
-forwarded. Only the stream's end
-goes through the reader's iterator. While the downstream stream holds more than
-:data:`~moqt.transport.SEND_HIGH_WATER` octets, pieces wait in order in a backlog that a task
-writes as the stream drains.
+forwarded. Only the stream's end goes through the reader's iterator. While the downstream
+stream holds more than :data:`~moqt.transport.SEND_HIGH_WATER` octets, pieces wait in order in
+a backlog that a task writes as the stream drains.
 """
 
 from __future__ import annotations

@@ -528,6 +528,149 @@ done:
     return result;
 }
 
+/* -- two different messages, one per lane --------------------------------------------------- */
+
+/* One message given as pieces (buffers of any sizes), walked block by block for a lane. */
+typedef struct {
+    Py_buffer *pieces;
+    Py_ssize_t count, at; /* pieces, and the one being read */
+    size_t offset;        /* within pieces[at] */
+    State state;
+} Lane;
+
+/* The next run of whole 64-octet blocks of the lane's message: straight from a piece when it
+ * holds one or more at `offset`, else one block gathered into `pending` across pieces. 0 at the
+ * end (what is left, under 64 octets, waits in `pending` for finish()). */
+static size_t next_run(Lane *l, const uint8_t **p) {
+    State *s = &l->state;
+    while (l->at < l->count) {
+        const uint8_t *buf = (const uint8_t *)l->pieces[l->at].buf + l->offset;
+        size_t left = (size_t)l->pieces[l->at].len - l->offset;
+        if (left == 0) {
+            l->at++, l->offset = 0;
+            continue;
+        }
+        if (s->fill != 0 || left < 64) {
+            size_t take = 64 - s->fill < left ? 64 - s->fill : left;
+            memcpy(s->pending + s->fill, buf, take);
+            s->fill += take, s->length += take, l->offset += take;
+            if (s->fill == 64) {
+                s->fill = 0; /* compressed by the caller before the next call */
+                *p = s->pending;
+                return 1;
+            }
+            continue;
+        }
+        *p = buf;
+        return left / 64;
+    }
+    return 0;
+}
+
+/* `blocks` of the run next_run gave were compressed. */
+static void took(Lane *l, const uint8_t *p, size_t blocks) {
+    if (p != l->state.pending) {
+        l->offset += blocks * 64;
+        l->state.length += blocks * 64;
+    }
+}
+
+static void hash_lanes(Lane *a, Lane *b) {
+    const uint8_t *pa = NULL, *pb = NULL;
+    size_t na = next_run(a, &pa), nb = next_run(b, &pb);
+    while (na != 0 && nb != 0) {
+        size_t k = na < nb ? na : nb;
+        compress2(a->state.h, pa, b->state.h, pb, k);
+        took(a, pa, k), took(b, pb, k);
+        if ((na -= k) == 0)
+            na = next_run(a, &pa);
+        else
+            pa += k * 64;
+        if ((nb -= k) == 0)
+            nb = next_run(b, &pb);
+        else
+            pb += k * 64;
+    }
+    for (; na != 0; na = next_run(a, &pa)) {
+        compress1(a->state.h, pa, na);
+        took(a, pa, na);
+    }
+    for (; nb != 0; nb = next_run(b, &pb)) {
+        compress1(b->state.h, pb, nb);
+        took(b, pb, nb);
+    }
+}
+
+static void release_pieces(Py_buffer *pieces, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyBuffer_Release(&pieces[i]);
+    PyMem_Free(pieces);
+}
+
+/* Take the buffers of a sequence of pieces; NULL (an exception set) on failure. */
+static Py_buffer *get_pieces(PyObject *obj, Py_ssize_t *count, size_t *total) {
+    PyObject *seq = PySequence_Fast(obj, "digest_pair: a message is a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *pieces = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    if (pieces == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    *total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &pieces[i], PyBUF_SIMPLE) < 0) {
+            release_pieces(pieces, i);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        *total += (size_t)pieces[i].len;
+    }
+    Py_DECREF(seq);
+    *count = n;
+    return pieces;
+}
+
+/* digest_pair(a, b) -> (digest of a, digest of b): two messages, each a sequence of pieces,
+ * hashed in one interleaved pass (the two lanes of compress2), the GIL released once. */
+static PyObject *digest_pair(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *a_obj, *b_obj;
+    if (!PyArg_ParseTuple(args, "OO:digest_pair", &a_obj, &b_obj))
+        return NULL;
+    if (require_accelerated() < 0)
+        return NULL;
+    Lane a = {0}, b = {0};
+    size_t total_a, total_b;
+    a.pieces = get_pieces(a_obj, &a.count, &total_a);
+    if (a.pieces == NULL)
+        return NULL;
+    b.pieces = get_pieces(b_obj, &b.count, &total_b);
+    if (b.pieces == NULL) {
+        release_pieces(a.pieces, a.count);
+        return NULL;
+    }
+    memcpy(a.state.h, INITIAL, sizeof INITIAL);
+    memcpy(b.state.h, INITIAL, sizeof INITIAL);
+    uint8_t out[64];
+    if (total_a + total_b >= RELEASE_GIL_AT) {
+        Py_BEGIN_ALLOW_THREADS hash_lanes(&a, &b);
+        finish(&a.state, out);
+        finish(&b.state, out + 32);
+        Py_END_ALLOW_THREADS
+    } else {
+        hash_lanes(&a, &b);
+        finish(&a.state, out);
+        finish(&b.state, out + 32);
+    }
+    release_pieces(a.pieces, a.count);
+    release_pieces(b.pieces, b.count);
+    return Py_BuildValue("(y#y#)", (const char *)out, (Py_ssize_t)32, (const char *)out + 32,
+                         (Py_ssize_t)32);
+}
+
 static PyMethodDef module_methods[] = {
     {"update2", update2, METH_VARARGS,
      "update2(a, b, data): feed the same octets to two Sha256 objects in one interleaved "
@@ -539,6 +682,9 @@ static PyMethodDef module_methods[] = {
     {"digests", digests, METH_VARARGS,
      "digests(data, size) -> list of digests: the SHA-256 of each size-octet run of data, "
      "two runs at a time on the interleaved lanes."},
+    {"digest_pair", digest_pair, METH_VARARGS,
+     "digest_pair(a, b) -> (bytes, bytes): the SHA-256 of two messages, each a sequence of "
+     "buffers, in one interleaved pass."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {

@@ -11,11 +11,18 @@ layers on those lanes at once, so each octet is hashed once at the paired rate.
 :data:`ACCELERATED` says whether it is here and this CPU can run it; when not (no compiler at
 install, not x86, no SHA extensions) callers keep to :mod:`hashlib`, which gives the same
 digests.
+
+:func:`digest_pair` hashes two *different* messages (a relay's two completed layer objects,
+each as the pieces it arrived in) on the two lanes at once, where the native module offers that
+entry point (:data:`PAIRED`); else it hashes them one after the other with :mod:`hashlib`.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from types import ModuleType
+from typing import TypeAlias, cast
 
 _native: ModuleType | None
 try:
@@ -48,5 +55,43 @@ else:  # pragma: no cover - only where the extension could not be built
         """Stands in for the native function where it was not built."""
         raise RuntimeError("kvsp._sha256x2 was not built here; use hashlib")
 
+Buffer: TypeAlias = bytes | bytearray | memoryview
 
-__all__ = ["ACCELERATED", "Sha256", "digests", "feed_layers", "update2"]
+PAIRED: bool = ACCELERATED and hasattr(_native, "digest_pair")
+"""Whether :func:`digest_pair` runs its two messages on the two lanes in one native pass."""
+
+
+def digest_pair(a: Sequence[Buffer], b: Sequence[Buffer]) -> tuple[bytes, bytes]:
+    """The SHA-256 digests of two messages, each given as a sequence of pieces (not joined).
+
+    With :data:`PAIRED` both go through the interleaved rounds in one call (the GIL released
+    once); otherwise :mod:`hashlib` hashes one after the other. The digests are the same.
+    """
+    if PAIRED:
+        return cast(tuple[bytes, bytes], _native.digest_pair(a, b))  # type: ignore[union-attr]
+    return _hashlib_digest(a), _hashlib_digest(b)
+
+
+def digest_pieces(pieces: Sequence[Buffer]) -> bytes:
+    """The SHA-256 of one message given as pieces (:mod:`hashlib`, one stream)."""
+    return _hashlib_digest(pieces)
+
+
+def _hashlib_digest(pieces: Sequence[Buffer]) -> bytes:
+    hasher = hashlib.sha256()
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.digest()
+
+
+__all__ = [
+    "ACCELERATED",
+    "PAIRED",
+    "Buffer",
+    "Sha256",
+    "digest_pair",
+    "digest_pieces",
+    "digests",
+    "feed_layers",
+    "update2",
+]

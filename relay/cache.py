@@ -286,22 +286,28 @@ class ObjectCache:
         dropped and it is tombstoned (d16: a relay does not cache or serve a malformed track).
         """
         now_ms = obj.arrived_ms
-        if self.is_malformed(key, now_ms):
+        if self._tombstones and self.is_malformed(key, now_ms):
             return PutResult.REFUSED
-        entry = self.open_track(key)
-        self._drop_expired(entry, now_ms)
-        cached = entry.objects.get(obj.location)
+        entry = self._tracks.get(key)
+        if entry is None:
+            entry = self._tracks[key] = CacheTrack(key)
+        elif self._drop_expired(entry, now_ms) and key not in self._tracks:
+            # every object had expired, and the entry with them: a fresh one, same extensions
+            entry = self._tracks[key] = CacheTrack(key, entry.extensions)
+        location = obj.location
+        cached = entry.objects.get(location)
         if cached is not None:
             reason = cached.conflict(obj)
             if reason is not None:
                 self.mark_malformed(key, now_ms, reason)
                 return PutResult.MALFORMED
             return PutResult.DUPLICATE
-        if self.size + obj.charge > self.hard_limit:
+        charge = obj.charge
+        if self.size + charge > self.hard_limit:
             return PutResult.REFUSED
-        entry.objects[obj.location] = obj
-        entry.size += obj.charge
-        self.size += obj.charge
+        entry.objects[location] = obj
+        entry.size += charge
+        self.size += charge
         self._tracks.move_to_end(key)
         return PutResult.STORED
 
@@ -314,6 +320,8 @@ class ObjectCache:
 
     def is_malformed(self, key: TrackKey, now_ms: int) -> bool:
         """Whether the track is tombstoned as malformed at ``now_ms``."""
+        if not self._tombstones:
+            return False
         stone = self._tombstones.get(key)
         if stone is None:
             return False

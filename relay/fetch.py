@@ -14,11 +14,11 @@ The upstream objects are handled where they arrive: the upstream reader's payloa
 object-end sinks (:meth:`~moqt.asyncio.TrackReader.set_payload_sink`) write each piece to the
 downstream stream at once, as the slice of received data it is (no copy, no event object, no
 task switch), with one transmit per batch of received data; the objects completed in that
-batch are cached (their layer digests computed) just after that transmit, so the subscriber
-works on the bytes meanwhile, and before the stream's FIN is forwarded. Only the stream's end
-goes through the reader's iterator. While the downstream stream holds more than
-:data:`~moqt.transport.SEND_HIGH_WATER` octets, pieces wait in order in a backlog that a task
-writes as the stream drains.
+batch are cached (their layer digests computed, two objects at a time) just after that
+transmit, so the subscriber works on the bytes meanwhile, and before the stream's FIN is
+forwarded. Only the stream's end goes through the reader's iterator. While the downstream
+stream holds more than :data:`~moqt.transport.SEND_HIGH_WATER` octets, pieces wait in order in
+a backlog that a task writes as the stream drains.
 """
 
 from __future__ import annotations
@@ -200,13 +200,16 @@ class _FetchRelay:
             asyncio.get_running_loop().call_soon(self.store_completed)
 
     def store_completed(self) -> bool:
-        """Cache the completed objects, in order: their layer digests are computed here, after
-        their bytes went on downstream, so that the subscriber works on them meanwhile. Runs
-        before the stream's FIN is forwarded (a layer that fails its digest resets the stream
-        instead). False when the fetch has failed."""
+        """Cache the completed objects, in order: their layer digests are computed here, two
+        at a time (:meth:`~relay.ingest.ObjectIngest.store_each`; one left over is hashed alone,
+        never held for the next batch), after their bytes went on downstream, so that the
+        subscriber works on them meanwhile. Runs before the stream's FIN is forwarded (a layer
+        that fails its digest resets the stream instead), and at a reset or the fetch's end for
+        what arrived whole. False when the fetch has failed."""
         completed, self._completed = self._completed, []
-        for complete in completed:
-            ended = self.ingest.store(complete, self.hooks.now_ms())
+        if not completed:
+            return not self.failed
+        for ended in self.ingest.store_each(completed, self.hooks.now_ms()):
             if ended.malformed is not None:
                 self._malformed(ended.malformed)
                 return False  # the rest would be refused: the track is tombstoned

@@ -8,7 +8,8 @@ PUBLISH or a FETCH) piece by piece, as the session hands them out:
   the reason; the track is then tombstoned as malformed);
 * a new object is cached at its end, as the pieces it arrived in (read-only received data is
   kept, never copied or joined: :func:`~relay.cache.frozen_payload`);
-  for a stored KV replica track its layer digest is computed then, checked against the
+  for a stored KV replica track its layer digest is computed then (two objects at a time
+  where a batch completed several: :meth:`ObjectIngest.store_each`), checked against the
   in-band digest, and the completed replica is reported when the layer digests hash to the
   track name (:mod:`relay.kv`; :class:`~relay.kv.ReplicaWatch` asks once per block);
 * status objects are not cached (FETCH carries none in d16); END_OF_GROUP and END_OF_TRACK, and
@@ -18,8 +19,10 @@ PUBLISH or a FETCH) piece by piece, as the session hands them out:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from kvsp import sha256x2
 from moqt.errors import ObjectStatus
 from moqt.objects import ObjectDatagram, ObjectStart
 from moqt.wire import Bytes, Location
@@ -27,7 +30,6 @@ from moqt.wire import Bytes, Location
 from .cache import (
     CachedObject,
     ObjectCache,
-    Payload,
     PutResult,
     TrackKey,
     frozen_payload,
@@ -50,6 +52,21 @@ class CompleteObject:
 
     start: ObjectStart
     pieces: list[Bytes]
+
+
+def _cached_object(complete: CompleteObject, digest: bytes | None, now_ms: int) -> CachedObject:
+    start, pieces = complete.start, complete.pieces
+    return CachedObject(
+        group_id=start.group_id,
+        object_id=start.object_id,
+        subgroup_id=start.subgroup_id,
+        publisher_priority=start.publisher_priority,
+        extensions=start.extensions,
+        status=start.status,
+        payload=pieces[0] if len(pieces) == 1 else tuple(pieces),
+        arrived_ms=now_ms,
+        digest=digest,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,29 +145,33 @@ class ObjectIngest:
 
     def store(self, complete: CompleteObject | None, now_ms: int) -> Ended:
         """Cache an object :meth:`complete` took (its layer digest computed now, for a KV
-        track), in the order they completed."""
+        track)."""
         if complete is None:
             return Ended()
-        start, pieces = complete.start, complete.pieces
-        payload: Payload = pieces[0] if len(pieces) == 1 else tuple(pieces)
-        digest = None
-        if self.block is not None:
-            hasher = hashlib.sha256()
-            for piece in pieces:
-                hasher.update(piece)
-            digest = hasher.digest()
-        obj = CachedObject(
-            group_id=start.group_id,
-            object_id=start.object_id,
-            subgroup_id=start.subgroup_id,
-            publisher_priority=start.publisher_priority,
-            extensions=start.extensions,
-            status=start.status,
-            payload=payload,
-            arrived_ms=now_ms,
-            digest=digest,
-        )
-        return self._store(obj, now_ms)
+        digest = None if self.block is None else sha256x2.digest_pieces(complete.pieces)
+        return self._store(_cached_object(complete, digest, now_ms), now_ms)
+
+    def store_each(self, completes: Sequence[CompleteObject], now_ms: int) -> Iterator[Ended]:
+        """Cache objects :meth:`complete` took, in the order they completed, yielding what each
+        did; the caller stops at the first malformed one (the rest would be refused).
+
+        For a KV track their layer digests are computed two at a time, on the two lanes of
+        :func:`kvsp.sha256x2.digest_pair`, each checked (:func:`~relay.kv.check_layer`) before
+        its object is cached; an object left without a partner is hashed alone, so nothing
+        waits past this call for an object that may never come.
+        """
+        if self.block is None:
+            for complete in completes:
+                yield self._store(_cached_object(complete, None, now_ms), now_ms)
+            return
+        for at in range(0, len(completes), 2):
+            pair = completes[at : at + 2]
+            if len(pair) == 2:
+                digests: tuple[bytes, ...] = sha256x2.digest_pair(pair[0].pieces, pair[1].pieces)
+            else:
+                digests = (sha256x2.digest_pieces(pair[0].pieces),)
+            for complete, digest in zip(pair, digests, strict=True):
+                yield self._store(_cached_object(complete, digest, now_ms), now_ms)
 
     def _store(self, obj: CachedObject, now_ms: int) -> Ended:
         if self.block is not None:

@@ -139,6 +139,22 @@ def test_objects_expire_max_cache_duration_after_arrival() -> None:
     assert key not in cache and cache.size == 0
 
 
+def test_an_object_arriving_once_all_others_expired_is_cached_in_a_fresh_entry() -> None:
+    """The entry goes with its last expired object; the next object gets a new one that keeps
+    the track's extensions (its MAX_CACHE_DURATION still applies) and the size accounting."""
+    cache = ObjectCache(1 << 20)
+    key = track(b"t")
+    cache.open_track(key, max_cache(100))
+    cache.put(key, obj(0, b"old", at=0))
+    assert cache.put(key, obj(1, b"new", at=150)) == PutResult.STORED
+    entry = cache.track(key)
+    assert entry is not None and list(entry.objects) == [Location(0, 1)]
+    assert entry.max_cache_ms == 100
+    assert cache.size == entry.size == obj(1, b"new").charge
+    assert cache.get(key, Location(0, 1), 249) is not None
+    assert cache.get(key, Location(0, 1), 250) is None
+
+
 def test_lru_victims_skip_pinned_tracks_until_the_rest_fits() -> None:
     cache = ObjectCache(3 * (100 + 64))
     keys = [track(b"%d" % i) for i in range(4)]

@@ -846,7 +846,8 @@ class InstanceAgent:
     async def _pipeline_directive(self, progress: DirectiveProgress) -> None:
         """Load the directive's blocks with up to ``pipeline_window`` in flight, started by
         halves (so that each half's leases go in one request per source), and report them in
-        prefix order as they complete."""
+        prefix order as they complete. The blocks whose records come in the second lookup
+        start as it is answered, while the first block may still be loading."""
         d = progress.directive
         size = max(1, self.config.pipeline_window)
         upcoming = progress.next_index
@@ -875,6 +876,13 @@ class InstanceAgent:
                     records.update(await rest)
                     limit = len(d.blocks)
                     continue
+                head = window[0][1]
+                if head is not None and limit < len(d.blocks) and len(window) < size:
+                    # the rest's records may come before the head block is done: start their
+                    # transfers then, not once the head (and its publication) has settled
+                    await asyncio.wait((head.task, rest), return_when=asyncio.FIRST_COMPLETED)
+                    if not head.task.done():
+                        continue
                 await self._settle_head(window, progress)
         finally:
             rest.cancel()

@@ -350,6 +350,46 @@ def test_closing_the_instance_stops_a_pipelined_directive_and_releases_its_lease
     source.assert_no_lease_leaked(keys)  # the batch's lease was released on close
 
 
+def test_the_rest_of_a_directive_starts_while_its_first_block_is_still_loading(
+    tmp_path: Path, source: Source
+) -> None:
+    """The first blocks' records come in a small lookup of their own; the rest's transfers
+    start as soon as their records come, not once the first block has settled: here the first
+    block's GET waits until every block's GET has started."""
+    index = CountingIndex()
+    keys = stored_keys(source, index, 24)  # the first lookup asks for 16 (a quarter window)
+
+    class HeadWaits(CountingClient):
+        def __init__(self) -> None:
+            super().__init__()
+            self.all_started = asyncio.Event()
+
+        async def get_block(
+            self, holder_base: str, record: ReplicaRecord, **kwargs: Any
+        ) -> VerifiedBlock:
+            if self.gets_started + 1 == len(keys):
+                self.all_started.set()
+            if record.block_key == keys[0]:
+                self.gets_started += 1
+                await self.all_started.wait()
+                return await BlockClient.get_block(self, holder_base, record, **kwargs)
+            return await super().get_block(holder_base, record, **kwargs)
+
+    client = HeadWaits()
+
+    async def scenario() -> None:
+        clock = ManualClock(1_000_000)
+        async with running_agent(tmp_path, index, client, clock) as agent:
+            progress = agent.accept_directive(directive_for(keys, source.url, deadline_ms=20_000))
+            await agent.wait_directive(progress)
+            assert progress.state is DirectiveState.COMPLETE, progress.detail
+            assert progress.loaded == tuple(keys)
+            assert sorted(client.lease_requests) == [8, 16]  # one per lookup's blocks
+
+    asyncio.run(scenario())
+    source.assert_no_lease_leaked(keys)
+
+
 # -- the batchers alone -------------------------------------------------------------------------
 
 

@@ -298,6 +298,48 @@ def test_a_block_no_source_holds_ends_the_prefix_and_its_batch_still_leases(
     source.assert_no_lease_leaked(keys)
 
 
+def test_a_block_that_fails_verification_ends_the_prefix_and_is_neither_kept_nor_published(
+    tmp_path: Path, source: Source
+) -> None:
+    """§6.7: every block is checked against its Replica Record before it is placed. A record
+    whose layer digests are not the held block's (here: another block's) fails its block
+    alone; the blocks before it load, those after it load too but are not reported (prefix
+    order), and no lease outlives the directive."""
+    index = CountingIndex()
+    keys = stored_keys(source, index, 8)
+    bad = 3
+    good = index.records[keys[bad]][0]
+    other = index.records[keys[0]][0]
+    index.records[keys[bad]] = [
+        ReplicaRecord.from_json(
+            {
+                **good.to_json(),
+                "digest": other.to_json()["digest"],
+                "layer_digests": other.to_json()["layer_digests"],
+            }
+        )
+    ]
+    client = CountingClient()
+
+    async def scenario() -> None:
+        clock = ManualClock(1_000_000)
+        async with running_agent(tmp_path, index, client, clock) as agent:
+            progress = agent.accept_directive(directive_for(keys, source.url))
+            await agent.wait_directive(progress)
+            assert progress.state is DirectiveState.PARTIAL
+            assert progress.loaded == tuple(keys[:bad])
+            assert progress.detail is not None and f"block {bad} unavailable" in progress.detail
+            assert "kvsp-digest-mismatch" in progress.detail
+            await until(lambda: not agent._loads, what="the loads after it settle")
+            assert agent.holder.store.get(BlockRef(COMPAT, SCOPE, keys[bad])) is None
+            mine = {r.block_key for r in index.published if r.holder == URL}
+            assert set(keys[:bad]) <= mine and keys[bad] not in mine
+            assert client.lease_requests == [len(keys)]  # verification is not a lease refusal
+
+    asyncio.run(scenario())
+    source.assert_no_lease_leaked(keys)
+
+
 def test_the_deadline_stops_a_pipelined_directive_with_a_loaded_prefix(
     tmp_path: Path, source: Source
 ) -> None:

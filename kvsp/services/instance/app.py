@@ -778,8 +778,9 @@ def run(args: argparse.Namespace) -> int:
 
 def freeze_startup_heap() -> int:
     """Collect, then move every object alive now out of the cyclic collector's sight
-    (``gc.freeze``); how many were frozen. Called once the process serves: its modules,
-    classes, engine and clients live as long as it does.
+    (``gc.freeze``); how many were frozen. Called once the process serves and has registered at
+    the PC (so that the collection's pause does not delay that): its modules, classes, engine
+    and clients live as long as it does.
 
     Why: CPython's full collections walk every tracked object, and a started instance holds
     tens of thousands (imports, the web stack, the engine); a full collection then pauses the
@@ -844,10 +845,16 @@ async def _serve(
         def on_serving(url: str) -> None:
             if config.public_url is None:
                 agent.set_public_url(url)
-            freeze_startup_heap()  # the agent has started (the app's lifespan) and warmed up
 
         async def on_signal() -> None:
             await leave(agent, index, pc, args.drain_timeout)
+
+        async def freeze_once_registered() -> None:
+            await agent.registered.wait()  # started, warmed up, serving, known to the PC
+            freeze_startup_heap()
+
+        freezer = asyncio.create_task(freeze_once_registered(), name="kvsp-freeze-heap")
+        stack.callback(freezer.cancel)
 
         await serve_async(app, serving, on_serving=on_serving, on_signal=on_signal)
 

@@ -326,6 +326,8 @@ class InstanceAgent:
         self._leaving = False
         self._quieter = asyncio.Event()  # set when a session or a directive ends
         self._registered_ms: int | None = None  # the PC last took a status record
+        self.registered = asyncio.Event()
+        """Set once the PC has taken a status record of this run (§6.3)."""
         self._relay_base = None if config.relay is None else _base(config.relay)
         """Its relay as a directive source (blocks it does not hold yet: :func:`through_relay`)."""
         self.leases = LeaseBatcher(block_client, self.links)
@@ -477,6 +479,7 @@ class InstanceAgent:
             answer = await self.control.put_status(self.status_record())
         self._apply_answer(answer)
         self._registered_ms = self.clock.now_ms()
+        self.registered.set()
         return answer
 
     async def readiness(self) -> str | None:

@@ -326,6 +326,8 @@ class InstanceAgent:
         self._leaving = False
         self._quieter = asyncio.Event()  # set when a session or a directive ends
         self._registered_ms: int | None = None  # the PC last took a status record
+        self.registered = asyncio.Event()
+        """Set once the PC has taken a status record of this run (§6.3)."""
         self._relay_base = None if config.relay is None else _base(config.relay)
         """Its relay as a directive source (blocks it does not hold yet: :func:`through_relay`)."""
         self.leases = LeaseBatcher(block_client, self.links)
@@ -477,6 +479,7 @@ class InstanceAgent:
             answer = await self.control.put_status(self.status_record())
         self._apply_answer(answer)
         self._registered_ms = self.clock.now_ms()
+        self.registered.set()
         return answer
 
     async def readiness(self) -> str | None:
@@ -846,7 +849,8 @@ class InstanceAgent:
     async def _pipeline_directive(self, progress: DirectiveProgress) -> None:
         """Load the directive's blocks with up to ``pipeline_window`` in flight, started by
         halves (so that each half's leases go in one request per source), and report them in
-        prefix order as they complete."""
+        prefix order as they complete. The blocks whose records come in the second lookup
+        start as it is answered, while the first block may still be loading."""
         d = progress.directive
         size = max(1, self.config.pipeline_window)
         upcoming = progress.next_index
@@ -875,6 +879,13 @@ class InstanceAgent:
                     records.update(await rest)
                     limit = len(d.blocks)
                     continue
+                head = window[0][1]
+                if head is not None and limit < len(d.blocks) and len(window) < size:
+                    # the rest's records may come before the head block is done: start their
+                    # transfers then, not once the head (and its publication) has settled
+                    await asyncio.wait((head.task, rest), return_when=asyncio.FIRST_COMPLETED)
+                    if not head.task.done():
+                        continue
                 await self._settle_head(window, progress)
         finally:
             rest.cancel()

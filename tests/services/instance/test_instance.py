@@ -228,7 +228,9 @@ def test_stale_epoch_answer_reregisters_with_a_higher_epoch(tmp_path: Path) -> N
         async with running_agent(tmp_path, clock, control) as agent:
             old = agent.epoch
             control.stale_epochs.add(old)
+            assert not agent.registered.is_set()
             answer = await agent.report_status()
+            assert agent.registered.is_set()  # registered under the new epoch
             assert answer.state is InstanceState.ACTIVE
             assert agent.epoch == old + 1
             assert [s.epoch for s in control.statuses] == [old, old + 1]

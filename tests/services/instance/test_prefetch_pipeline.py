@@ -298,6 +298,48 @@ def test_a_block_no_source_holds_ends_the_prefix_and_its_batch_still_leases(
     source.assert_no_lease_leaked(keys)
 
 
+def test_a_block_that_fails_verification_ends_the_prefix_and_is_neither_kept_nor_published(
+    tmp_path: Path, source: Source
+) -> None:
+    """§6.7: every block is checked against its Replica Record before it is placed. A record
+    whose layer digests are not the held block's (here: another block's) fails its block
+    alone; the blocks before it load, those after it load too but are not reported (prefix
+    order), and no lease outlives the directive."""
+    index = CountingIndex()
+    keys = stored_keys(source, index, 8)
+    bad = 3
+    good = index.records[keys[bad]][0]
+    other = index.records[keys[0]][0]
+    index.records[keys[bad]] = [
+        ReplicaRecord.from_json(
+            {
+                **good.to_json(),
+                "digest": other.to_json()["digest"],
+                "layer_digests": other.to_json()["layer_digests"],
+            }
+        )
+    ]
+    client = CountingClient()
+
+    async def scenario() -> None:
+        clock = ManualClock(1_000_000)
+        async with running_agent(tmp_path, index, client, clock) as agent:
+            progress = agent.accept_directive(directive_for(keys, source.url))
+            await agent.wait_directive(progress)
+            assert progress.state is DirectiveState.PARTIAL
+            assert progress.loaded == tuple(keys[:bad])
+            assert progress.detail is not None and f"block {bad} unavailable" in progress.detail
+            assert "kvsp-digest-mismatch" in progress.detail
+            await until(lambda: not agent._loads, what="the loads after it settle")
+            assert agent.holder.store.get(BlockRef(COMPAT, SCOPE, keys[bad])) is None
+            mine = {r.block_key for r in index.published if r.holder == URL}
+            assert set(keys[:bad]) <= mine and keys[bad] not in mine
+            assert client.lease_requests == [len(keys)]  # verification is not a lease refusal
+
+    asyncio.run(scenario())
+    source.assert_no_lease_leaked(keys)
+
+
 def test_the_deadline_stops_a_pipelined_directive_with_a_loaded_prefix(
     tmp_path: Path, source: Source
 ) -> None:
@@ -348,6 +390,46 @@ def test_closing_the_instance_stops_a_pipelined_directive_and_releases_its_lease
 
     asyncio.run(scenario())
     source.assert_no_lease_leaked(keys)  # the batch's lease was released on close
+
+
+def test_the_rest_of_a_directive_starts_while_its_first_block_is_still_loading(
+    tmp_path: Path, source: Source
+) -> None:
+    """The first blocks' records come in a small lookup of their own; the rest's transfers
+    start as soon as their records come, not once the first block has settled: here the first
+    block's GET waits until every block's GET has started."""
+    index = CountingIndex()
+    keys = stored_keys(source, index, 24)  # the first lookup asks for 16 (a quarter window)
+
+    class HeadWaits(CountingClient):
+        def __init__(self) -> None:
+            super().__init__()
+            self.all_started = asyncio.Event()
+
+        async def get_block(
+            self, holder_base: str, record: ReplicaRecord, **kwargs: Any
+        ) -> VerifiedBlock:
+            if self.gets_started + 1 == len(keys):
+                self.all_started.set()
+            if record.block_key == keys[0]:
+                self.gets_started += 1
+                await self.all_started.wait()
+                return await BlockClient.get_block(self, holder_base, record, **kwargs)
+            return await super().get_block(holder_base, record, **kwargs)
+
+    client = HeadWaits()
+
+    async def scenario() -> None:
+        clock = ManualClock(1_000_000)
+        async with running_agent(tmp_path, index, client, clock) as agent:
+            progress = agent.accept_directive(directive_for(keys, source.url, deadline_ms=20_000))
+            await agent.wait_directive(progress)
+            assert progress.state is DirectiveState.COMPLETE, progress.detail
+            assert progress.loaded == tuple(keys)
+            assert sorted(client.lease_requests) == [8, 16]  # one per lookup's blocks
+
+    asyncio.run(scenario())
+    source.assert_no_lease_leaked(keys)
 
 
 # -- the batchers alone -------------------------------------------------------------------------

@@ -55,6 +55,7 @@ else:  # pragma: no cover - only where the extension could not be built
         """Stands in for the native function where it was not built."""
         raise RuntimeError("kvsp._sha256x2 was not built here; use hashlib")
 
+
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 PAIRED: bool = ACCELERATED and hasattr(_native, "digest_pair")

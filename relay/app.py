@@ -83,7 +83,7 @@ from kvsp.web.cliargs import (
 from kvsp.web.clock import SystemClock
 from kvsp.web.config_file import ConfigArgumentParser
 from kvsp.web.failover import add_url_list_argument
-from kvsp.web.runner import write_ready_file
+from kvsp.web.runner import freeze_startup_heap, write_ready_file
 from kvsp.web.sites import add_site_arguments, site_labels
 from kvsp.web.trust import Trust
 from moqt.backend import (
@@ -455,6 +455,7 @@ async def _serve(
         moqt_url = await relay.start()
         try:
             await face.start()
+            freeze_startup_heap()
             if args.ready_file is not None:
                 ready = {"moqt": moqt_url, "http": face.url, "carriers": list(relay.carriers)}
                 write_ready_file(Path(args.ready_file), json.dumps(ready))

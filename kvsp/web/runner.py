@@ -22,12 +22,19 @@ head that runs out of time is answered ``408`` and closed (a connection that sen
 just closed, as an idle keep-alive one is); a stalled body is closed, and the app sees the
 client go away (:class:`~kvsp.web.http.ClientDisconnected`). A TLS handshake is bounded by
 asyncio's own ``ssl_handshake_timeout`` (60 s), before the head timer starts.
+
+**The start-up heap.** Once a service serves, :func:`freeze_startup_heap` moves what it holds
+(modules, classes, apps, clients: tens of thousands of objects that live as long as the
+process) out of the cyclic collector's sight, so that a full collection walks only what was
+made since instead of pausing the event loop for tens of milliseconds in the middle of a
+transfer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import ipaddress
 import logging
@@ -306,6 +313,20 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
+def freeze_startup_heap(*, collect: bool = False) -> int:
+    """Move every object alive now out of the cyclic collector's sight (``gc.freeze``), after
+    a full collection with ``collect``; how many are frozen in all.
+
+    Called once a service serves: its start-up objects live as long as it does, and without
+    this every full collection would walk them all. Without ``collect`` it takes no time (the
+    little cyclic garbage of start-up stays); with it, the pause of one collection.
+    """
+    if collect:
+        gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def serve_async(
     app: ASGIApp,
     config: ServeConfig,
@@ -322,6 +343,7 @@ async def serve_async(
     url = base_url(config.host, sock.getsockname()[1], tls=config.ssl_certfile is not None)
 
     def serving() -> None:
+        freeze_startup_heap()
         if config.ready_file is not None:
             write_ready_file(config.ready_file, url)
         if on_serving is not None:

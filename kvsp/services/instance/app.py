@@ -60,7 +60,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -107,7 +106,7 @@ from kvsp.web.http import JsonLimits, install_operations, read_json
 from kvsp.web.metrics import arrival
 from kvsp.web.problems import dumps_json, install_problem_handlers, kvsp_json
 from kvsp.web.roles import install_roles
-from kvsp.web.runner import ServeConfig, serve_async
+from kvsp.web.runner import ServeConfig, freeze_startup_heap, serve_async
 from kvsp.web.sites import add_site_arguments, site_labels
 
 _log = logging.getLogger("kvsp.instance")
@@ -776,24 +775,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def freeze_startup_heap() -> int:
-    """Collect, then move every object alive now out of the cyclic collector's sight
-    (``gc.freeze``); how many were frozen. Called once the process serves and has registered at
-    the PC (so that the collection's pause does not delay that): its modules, classes, engine
-    and clients live as long as it does.
-
-    Why: CPython's full collections walk every tracked object, and a started instance holds
-    tens of thousands (imports, the web stack, the engine); a full collection then pauses the
-    event loop for tens of milliseconds, in the middle of whatever directive is loading. After
-    the freeze they walk only what was made since (the blocks held, the work in flight). Only
-    objects alive at startup are frozen, so nothing transient that might later die in a
-    reference cycle is kept from the collector.
-    """
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 async def _serve(
     args: argparse.Namespace,
     config: InstanceConfig,
@@ -851,7 +832,7 @@ async def _serve(
 
         async def freeze_once_registered() -> None:
             await agent.registered.wait()  # started, warmed up, serving, known to the PC
-            freeze_startup_heap()
+            freeze_startup_heap(collect=True)  # what warming up left, before any directive
 
         freezer = asyncio.create_task(freeze_once_registered(), name="kvsp-freeze-heap")
         stack.callback(freezer.cancel)
@@ -862,7 +843,6 @@ async def _serve(
 __all__ = [
     "configure_parser",
     "create_instance_app",
-    "freeze_startup_heap",
     "instance_config",
     "leave",
     "make_engine",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import gc
 import hashlib
 import json
 import uuid
@@ -32,7 +31,7 @@ from kvsp.records import (
 )
 from kvsp.registries import InstanceState
 from kvsp.services.holder.service import Holder, HolderConfig
-from kvsp.services.instance.app import create_instance_app, freeze_startup_heap
+from kvsp.services.instance.app import create_instance_app
 from kvsp.services.instance.requests import GenerateRequest
 from kvsp.services.instance.service import InstanceAgent, InstanceConfig
 from kvsp.stores.descriptors import DescriptorRegistry
@@ -411,18 +410,3 @@ def test_status_and_healthz(tmp_path: Path) -> None:
         assert descriptor.json() == DESCRIPTOR.to_json()
 
     scenario(tmp_path, body)
-
-
-def test_the_heap_alive_once_serving_is_frozen_and_what_comes_later_is_not() -> None:
-    """What lives when the instance starts serving is kept out of the cyclic collector's full
-    collections; what is made afterwards (blocks, work in flight) is collected as usual."""
-    gc.unfreeze()
-    try:
-        frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 0
-        later = [[] for _ in range(100)]  # tracked containers made after the freeze
-        assert gc.is_tracked(later) and gc.get_freeze_count() == frozen
-        gc.collect()
-        assert gc.get_freeze_count() == frozen
-    finally:
-        gc.unfreeze()  # this test process goes on with other tests

@@ -22,7 +22,9 @@ does). A qh3 transmit sends its datagrams in batches as its connection builds th
 are read in batches and each connection transmits once per batch on aioquic's
 client and server (:mod:`moqt.udp_endpoint`'s endpoint); qh3's server keeps its library's
 per-datagram dispatch. Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of
-``TransportConfig.socket_buffer``.
+``TransportConfig.socket_buffer``. A session ends as soon as its connection starts closing
+(e.g. the peer's CONNECTION_CLOSE read), not three PTOs later when the library reports the
+connection drained (RFC 9000 §10.2).
 """
 
 from __future__ import annotations

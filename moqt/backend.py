@@ -25,6 +25,9 @@ same event classes), so the MOQT session runs on either. What differs, and lives
   built instead, so sender and receiver work at once (what may be built is still the
   connection's to decide: congestion window and pacer, RFC 9002 §7 and §7.7; the private
   attributes it and :mod:`moqt.transport` use are qh3 2.1's, the version the extra pins);
+* a connection closed by its peer reports ``ConnectionTerminated`` only once it has drained
+  (RFC 9000 §10.2.2), and qh3 refuses to send in the meantime; :meth:`Backend.closing_event`
+  gives the event as soon as the closing starts, so the session can end at once;
 * anti-amplification: aioquic pads a client Initial datagram to 1200 bytes with zeros *after*
   its Initial packet, and qh3's server counts only the bytes of packets it parses toward the 3x
   limit (RFC 9000 §8.1 asks for every byte of the datagram). A qh3 server then sees ~530 bytes,
@@ -256,6 +259,19 @@ class Backend:
         if ready:
             send(ready, target)
         return True
+
+    def closing_event(self, quic: Any) -> Any | None:
+        """The ``ConnectionTerminated`` event ``quic`` will report, once it is closing or
+        draining; None while it is open.
+
+        Both libraries hold back that event until the closing or draining period has ended
+        (three PTOs, RFC 9000 §10.2), though a peer's CONNECTION_CLOSE ends the connection at
+        once for its application: nothing sent after it arrives will be delivered, and qh3
+        refuses new stream data and resets ("connection is closed") from then on. Both keep
+        it as ``_close_event`` (aioquic's name, which qh3 2.1 keeps) from the moment the
+        connection starts closing, whoever closed it.
+        """
+        return getattr(quic, "_close_event", None)
 
     def send_buffer_size(self, quic: Any, stream_id: int) -> int:
         """Bytes the stream still holds in its send buffer (unsent, or unacknowledged)."""

@@ -22,7 +22,9 @@ does). A qh3 transmit sends its datagrams in batches as its connection builds th
 are read in batches and each connection transmits once per batch on aioquic's
 client and server (:mod:`moqt.udp_endpoint`'s endpoint); qh3's server keeps its library's
 per-datagram dispatch. Every QUIC socket gets SO_RCVBUF/SO_SNDBUF of
-``TransportConfig.socket_buffer``.
+``TransportConfig.socket_buffer``. A session ends as soon as its connection starts closing
+(e.g. the peer's CONNECTION_CLOSE read), not three PTOs later when the library reports the
+connection drained (RFC 9000 §10.2).
 """
 
 from __future__ import annotations
@@ -390,7 +392,13 @@ def protocol_class(backend: Backend) -> type:
     (one per batch). The batch is the transport's (``transmit_batch``), or one a server sets as
     ``_moqt_batch``. On qh3's batched transport a transmit sends :data:`SEND_BATCH` datagrams at
     a time as they are built (:meth:`~moqt.backend.Backend.send_as_built`), then re-arms the
-    connection's timer as the library's transmit does."""
+    connection's timer as the library's transmit does.
+
+    The session ends as soon as its connection starts closing (the peer's CONNECTION_CLOSE
+    read, a local close), fed the ``ConnectionTerminated`` the library holds back until the
+    connection has drained (:meth:`~moqt.backend.Backend.closing_event`, RFC 9000 §10.2):
+    until then the session would look open while nothing it sends can arrive (qh3 refuses
+    it), and a relay would route requests to a publisher that has left."""
     cached = _PROTOCOLS.get(backend.name)
     if cached is not None:
         return cached
@@ -427,6 +435,10 @@ def protocol_class(backend: Backend) -> type:
         if events:
             self.moqt._dispatch(events)
 
+    def _process_events(self: Any) -> None:
+        base._process_events(self)
+        _end_if_closing(self, backend)
+
     def transmit(self: Any) -> None:
         _transmit(self, backend, base)
         connection = self.moqt
@@ -438,6 +450,7 @@ def protocol_class(backend: Backend) -> type:
         "connection_made": connection_made,
         "datagram_received": datagram_received,
         "quic_event_received": quic_event_received,
+        "_process_events": _process_events,
         "transmit": transmit,
     }
     cls = type(f"MOQTProtocol_{backend.name}", (base,), namespace)
@@ -521,6 +534,16 @@ def _rearm_timer(protocol: Any) -> None:
     if protocol._timer is None and timer_at is not None:
         protocol._timer = protocol._loop.call_at(timer_at, protocol._handle_timer)
     protocol._timer_at = timer_at
+
+
+def _end_if_closing(protocol: Any, backend: Backend) -> None:
+    """End the session of a connection that has started closing, with the
+    ``ConnectionTerminated`` its library reports only once the connection has drained
+    (:meth:`~moqt.backend.Backend.closing_event`)."""
+    if protocol.moqt.session.closed is None:
+        closing = backend.closing_event(protocol._quic)
+        if closing is not None:
+            protocol.quic_event_received(closing)
 
 
 def _qh3_retry_server(base: Any) -> type:

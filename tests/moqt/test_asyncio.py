@@ -28,9 +28,11 @@ from moqt.session_events import (
     FetchReceived,
     FetchStreamOpened,
     ObjectHeader,
+    SessionClosed,
     SubscribeReceived,
 )
 from moqt.wire import Location
+from tests.support.polling import until
 
 NS = (b"kvsp", b"1", b"c0", b"s0", b"k0")
 TRACK = b"d" * 64
@@ -338,3 +340,43 @@ def test_initial_padded_outside_packets(
     assert [initial_padded_outside_packets(data) for data in datagrams] == [padded] * len(datagrams)
     assert not initial_padded_outside_packets(b"")
     assert not initial_padded_outside_packets(bytes(1200))  # no long header: not an Initial
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_session_ends_once_its_peer_s_connection_close_is_read(
+    backend: str, cert_pair: tuple[Path, Path]
+) -> None:
+    """The QUIC libraries report a peer's CONNECTION_CLOSE (``ConnectionTerminated``) only once
+    the connection has drained, three PTOs later (RFC 9000 §10.2.2); the session must end when
+    the close is read, so that a request made meanwhile fails with SessionClosedError (which a
+    relay takes to route it elsewhere) instead of raising the library's "connection is closed"
+    (qh3) or waiting for a reply that cannot come."""
+    served: list[MOQTConnection] = []
+    at_close: list[SessionClosed | None] = []  # the session's state once the close was read
+
+    async def handler(connection: MOQTConnection) -> None:
+        await connection.wait_setup()
+        protocol = connection._protocol
+        receive = protocol.datagram_received
+
+        def watched(data: bytes, addr: object) -> None:
+            receive(data, addr)
+            # both libraries note the peer's CONNECTION_CLOSE as the connection's _close_event
+            if not at_close and protocol._quic._close_event is not None:
+                at_close.append(connection.session.closed)
+
+        protocol.datagram_received = watched
+        served.append(connection)
+        await connection.wait_closed()
+
+    async def client(connection: MOQTConnection) -> None:
+        server_side = (await until(lambda: served, what="the server's session"))[0]
+        connection.close()
+        await until(lambda: at_close, what="the server to read the client's CONNECTION_CLOSE")
+        closed = at_close[0]
+        assert closed is not None, "the session still looked open after the peer's close"
+        assert closed.by_peer and closed.error_code == 0
+        with pytest.raises(SessionClosedError):
+            await server_side.subscribe(NS, TRACK)
+
+    run_client(backend, cert_pair, client, handler=handler)

@@ -342,6 +342,36 @@ def test_a_request_whose_only_publisher_leaves_does_not_exist(certs: Certs) -> N
     run(scenario())
 
 
+def test_a_request_after_a_publisher_closed_goes_to_another(certs: Certs) -> None:
+    """The latest announcer closes its session; a SUBSCRIBE reaching the relay after that
+    CONNECTION_CLOSE, while the relay's connection to it still drains (its QUIC library reports
+    the end three PTOs later, RFC 9000 §10.2.2), goes to the other announcer: the session ended
+    when the close was read. (A qh3 relay raised "connection is closed" sending the SUBSCRIBE
+    to the leaver, and the subscriber waited until the idle timeout.)"""
+    block = make_block(15)
+
+    async def scenario() -> None:
+        async with (
+            running_relay(relay_config(certs)) as relay,
+            publishing(relay.url, certs, block_track(block), [block.namespace[:4]]) as pub,
+            client(relay.url, certs) as sub,
+        ):
+            pub.release.set()
+            async with client(relay.url, certs) as leaver:
+                await leaver.publish_namespace(block.namespace)  # the longer prefix: the route
+                (route,) = relay.routes.sources_of(block.namespace)
+                quic = route.connection._protocol._quic
+                leaver.close()
+                # the relay's library has read the close (both note it as _close_event)
+                await until(lambda: quic._close_event is not None, interval=0.001)
+                subscription = await sub.subscribe(*block.track)
+                objects = [obj async for obj in subscription.track.objects()]
+            assert pub.subscribes == 1
+        assert [bytes(obj.payload) for obj in objects] == list(block.layers)
+
+    run(scenario())
+
+
 def test_namespace_subscribers_are_offered_published_tracks(certs: Certs) -> None:
     block = make_block(10)
 

@@ -128,9 +128,7 @@ async def attempt(connection: object, op: str, side: str, parameters: MessagePar
 
 OPS = ("fetch", "subscribe", "subscribe_namespace", "publish_namespace", "publish")
 SAME = default_backend()
-"""The relay's QUIC library: an aioquic client against a qh3 relay stalls now and then on one
-of this test's ~280 requests (a known interop issue, noted for follow-up), which is not what
-this test is about."""
+"""The clients' QUIC library: the relay's (mixing libraries is tested in tests/moqt)."""
 
 
 def test_roles_scopes_and_request_tokens(certs: Certs) -> None:

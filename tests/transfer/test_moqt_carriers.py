@@ -64,8 +64,16 @@ def test_carrier_uris_parse(uri: str, address: MoqtAddress) -> None:
     ],
 )
 def test_bad_carrier_uris_are_unsupported_holders(uri: str) -> None:
-    with pytest.raises(UnsupportedHolder):
-        parse_moqt_uri(uri)
+    for _ in range(2):  # a failure is not remembered as an address: it raises again
+        with pytest.raises(UnsupportedHolder):
+            parse_moqt_uri(uri)
+
+
+def test_a_uri_read_again_gives_the_address_already_parsed() -> None:
+    uri = "moqt+unix://localhost/run/kvsp/again.sock"
+    first = parse_moqt_uri(uri)
+    assert parse_moqt_uri(uri) is first  # every FETCH reads its record's holder and carriers
+    assert parse_moqt_uri("moqt+tcp://127.0.0.1:7/") is not first
 
 
 def test_same_origin_carriers_come_first_in_record_order_then_quic() -> None:

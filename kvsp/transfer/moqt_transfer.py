@@ -189,8 +189,14 @@ class BlockStream(Generic[T]):
             DigestMismatch, ContainerError, NotFound, TransportError: as the transfer failed
                 (again, when iteration already failed).
         """
-        async for _ in self:
-            pass
+        if self._error is not None:
+            raise self._error
+        try:  # the generator itself, not __anext__ a layer at a time: nothing is handed out
+            async for _ in self._iterator:
+                pass
+        except BaseException as exc:
+            self._error = exc
+            raise
         if self.result is None:
             raise RuntimeError("the block stream ended without a block")
         return self.result

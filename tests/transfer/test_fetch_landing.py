@@ -147,3 +147,46 @@ def test_the_watchdog_reads_progress_from_the_callable() -> None:
         dog.cancel()
 
     asyncio.run(test())
+
+
+def _layer(index: int) -> Layer:
+    octets = memoryview(bytes([index]) * 8)
+    return Layer(index, octets[:4], octets[4:])
+
+
+def test_a_block_streams_result_comes_after_every_layer_and_its_error_stays() -> None:
+    from collections.abc import AsyncGenerator
+
+    from kvsp.transfer.moqt_transfer import BlockStream
+
+    async def test() -> None:
+        async def good(stream: BlockStream[str]) -> AsyncGenerator[Layer, None]:
+            for index in range(3):
+                yield _layer(index)
+            stream.result = "block"
+
+        assert await BlockStream(good).block() == "block"
+        streamed = BlockStream(good)
+        assert [layer.index async for layer in streamed] == [0, 1, 2]
+        assert await streamed.block() == "block"
+
+        async def bad(stream: BlockStream[str]) -> AsyncGenerator[Layer, None]:
+            yield _layer(0)
+            raise DigestMismatch("layer 1 differs")
+
+        failing = BlockStream(bad)
+        for _ in range(2):  # the first error, again, and nothing more handed out
+            try:
+                await failing.block()
+            except DigestMismatch as exc:
+                assert "layer 1" in str(exc)
+            else:
+                raise AssertionError("no error")
+        try:
+            await failing.__anext__()
+        except DigestMismatch:
+            pass
+        else:
+            raise AssertionError("iteration went on after the error")
+
+    asyncio.run(test())

@@ -421,8 +421,9 @@ class MoqtBlockClient:
             payload_sink=None if landing is None else landing.payload,
             object_end=None if landing is None else landing.object_end,
         )
-        try:
-            return await asyncio.wait_for(fetch, self.timeout)
+        try:  # in this task (no task per request): the FETCH leaves at once
+            async with asyncio.timeout(self.timeout):
+                return await fetch
         except RequestRejected as exc:
             raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
@@ -549,7 +550,8 @@ class MoqtBlockClient:
         track: bytes,
     ) -> Subscription:
         try:
-            return await asyncio.wait_for(connection.subscribe(namespace, track), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                return await connection.subscribe(namespace, track)
         except RequestRejected as exc:
             raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:

@@ -23,6 +23,7 @@ the result; :func:`encode_container_parts` copies nothing, for vectored writers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -194,11 +195,16 @@ class ContainerHeader:
             self.layer_count,
             self.token_count,
         )
-        offset = KVB1_HEADER.size
-        for k_len, v_len in self.lengths:
-            KVB1_LAYER_LENGTHS.pack_into(out, offset, k_len, v_len)
-            offset += KVB1_LAYER_LENGTHS.size
+        lengths = _lengths_struct(len(self.lengths))
+        lengths.pack_into(out, KVB1_HEADER.size, *(n for pair in self.lengths for n in pair))
         return bytes(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths_struct(layers: int) -> struct.Struct:
+    """The Layer Count entries of a header (§4.3 figure) as one structure: K and V Length
+    (64 bits each) of ``layers`` layers, packed in one call."""
+    return struct.Struct(f"!{2 * layers}Q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,6 +532,8 @@ def byte_view(data: object, what: str = "buffer") -> memoryview:
     Raises:
         ContainerError: ``data`` is not a contiguous buffer.
     """
+    if type(data) is memoryview and data.format == "B" and data.ndim == 1 and data.c_contiguous:
+        return data  # already one: no new view (a container's layers are such views)
     try:
         mv = memoryview(data)  # type: ignore[arg-type]
         if mv.c_contiguous:
@@ -557,7 +565,7 @@ def encode_container_parts(
     _check_uint("codec", codec, 0xFFFF)
     check_fields(codec, first_layer, len(layers), token_count, geometry, _ENCODER_LIMITS)
     views = [
-        (byte_view(k, f"layer {first_layer + i} K"), byte_view(v, f"layer {first_layer + i} V"))
+        (_section_view(k, first_layer + i, "K"), _section_view(v, first_layer + i, "V"))
         for i, (k, v) in enumerate(layers)
     ]
     lengths = tuple((k.nbytes, v.nbytes) for k, v in views)
@@ -572,6 +580,13 @@ def encode_container_parts(
         lengths=lengths,
     )
     return [header.encode(), *(part for pair in views for part in pair)]
+
+
+def _section_view(data: Buffer, layer: int, section: str) -> memoryview:
+    """:func:`byte_view` of a layer's K or V section, its name formatted only for an error."""
+    if type(data) is memoryview and data.format == "B" and data.ndim == 1 and data.c_contiguous:
+        return data
+    return byte_view(data, f"layer {layer} {section}")
 
 
 def encode_container(

@@ -501,23 +501,28 @@ class LayerAssembler:
         Raises:
             ContainerError: no object has begun, or more octets than its payload length.
         """
-        if self._current is None or self._payload_length is None:
+        current, length = self._current, self._payload_length
+        if current is None or length is None:
             raise ContainerError("payload outside an object")
-        size = len(data)
-        if self._filled + size > self._payload_length:
+        size, offset = len(data), self._filled
+        if offset + size > length:
             raise ContainerError("more payload than the object declared")
         if self.hashing:
             self._hash.update(data)
-        _, k, v = self._current
+        _, k, v = current
         section = len(k)
-        offset, taken = self._filled, 0
+        self._filled = offset + size
+        if size == length:  # the whole payload in one piece (a small layer): K then V
+            k[:] = data[:section]
+            v[:] = data[section:]
+            return
+        taken = 0
         if offset < section:
             taken = min(size, section - offset)
             k[offset : offset + taken] = data[:taken]
         if taken < size:
             start = offset + taken - section
             v[start : start + size - taken] = data[taken:]
-        self._filled += size
 
     def end(self) -> tuple[Layer, bytes | None]:
         """The current object is complete: its layer and layer digest (None when not

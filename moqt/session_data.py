@@ -173,15 +173,31 @@ class DataPlane:
         except MalformedTrack as exc:
             self._malformed(stream_id, stream, exc.reason, out)
             return
-        request_id = stream.request_id
-        sink = None if request_id is None or stream.held else self._sinks.get(request_id)
-        if sink is None or request_id is None:
-            for event in parsed:
+        bound = self._bound_sink(stream)
+        if bound is None:
+            for at, event in enumerate(parsed):
                 self._route(stream_id, stream, event, out)
+                if type(event) is FetchHeader or type(event) is SubgroupHeader:
+                    # the stream is bound now: what the same piece holds after its header
+                    # (often the whole FETCH of a small block) goes the sink's way too
+                    bound = self._bound_sink(stream)
+                    if bound is not None and at + 1 < len(parsed):
+                        rest = parsed[at + 1 :]
+                        self._to_sink(stream_id, stream, bound[0], bound[1], rest, out)
+                        break
         else:
-            self._to_sink(stream_id, stream, request_id, sink, parsed, out)
+            self._to_sink(stream_id, stream, bound[0], bound[1], parsed, out)
         if end_stream and stream.held is None:
             self._in_streams.pop(stream_id, None)
+
+    def _bound_sink(self, stream: _InStream) -> tuple[int, TrackSink] | None:
+        """The request ``stream`` is bound to and its sink, if it has one and the stream is
+        not held (a subgroup waiting for its SUBSCRIBE_OK) or ignored."""
+        request_id = stream.request_id
+        if request_id is None or stream.held or stream.ignored:
+            return None
+        sink = self._sinks.get(request_id)
+        return None if sink is None else (request_id, sink)
 
     def _to_sink(
         self,

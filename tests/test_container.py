@@ -463,3 +463,25 @@ def test_select_outside_the_range() -> None:
     for first, last in ((0, 1), (2, 3), (2, 1)):
         with pytest.raises(LayersUnavailable, match=f"layers {first}-{last} requested, 1-2 held"):
             c.select(first, last)
+
+
+@pytest.mark.parametrize("count", [1, 2, 16, 33])
+def test_the_header_lists_every_layers_lengths_in_the_figures_order(count: int) -> None:
+    layers = [(bytes([i]) * 8, bytes([255 - i]) * 8) for i in range(count)]
+    encoded = encode_container(layers, first_layer=7, token_count=4)
+    fixed = struct.pack("!IBBHIII", 0x4B564231, 1, 0, 1, 7, count, 4)
+    entries = b"".join(struct.pack("!QQ", len(k), len(v)) for k, v in layers)
+    assert encoded == fixed + entries + b"".join(k + v for k, v in layers)
+
+
+def test_encoding_takes_any_contiguous_sections_and_names_the_layer_of_one_that_is_not() -> None:
+    k = np.arange(8, dtype=np.uint16)  # not octets: viewed as them
+    v = memoryview(bytearray(range(16)))[:16]
+    octets = k.tobytes()
+    mixed = [(k, v), (octets, bytes(v)), (memoryview(octets), bytearray(v))]
+    assert encode_container(mixed, first_layer=0, token_count=1) == encode_container(
+        [(octets, bytes(v))] * 3, first_layer=0, token_count=1
+    )
+    strided = np.zeros(32, np.uint8)[::2]
+    with pytest.raises(ContainerError, match="layer 5 V is not a contiguous"):
+        encode_container([(octets, bytes(v)), (octets, strided)], first_layer=4, token_count=1)

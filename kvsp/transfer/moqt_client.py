@@ -27,7 +27,7 @@ from typing import Self
 from kvsp.audience import AudienceSigner, canonical_origin
 from kvsp.container import Geometry, Layer, mismatch, replica_digest
 from kvsp.container_reader import LayerSink
-from kvsp.errors import LayersUnavailable, TransportError
+from kvsp.errors import LayersUnavailable, TransportError, UnsupportedHolder
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.moqt_mapping import (
     LayerAssembler,
@@ -87,6 +87,7 @@ from moqt.wire import TrackNamespace
 
 _PEER_REQUESTS = (FetchReceived, SubscribeReceived, RequestUpdateReceived, *REFUSED_REQUESTS)
 CARRIER_RETRY_S = 30.0  # a QMux carrier that failed is skipped (QUIC used) this long
+CANDIDATES_KEPT = 1024  # (holder, carriers) lists remembered (MoqtBlockClient.candidates)
 log = logging.getLogger(__name__)
 
 
@@ -143,6 +144,7 @@ class MoqtBlockClient:
         :attr:`hash_batch` octets on worker threads (:class:`LayerChecks`)."""
         self.hash_batch = HASH_BATCH
         self._failed: dict[MoqtAddress, float] = {}  # carrier → monotonic time it failed
+        self._candidates: dict[tuple[str, tuple[str, ...] | None], tuple[MoqtAddress, ...]] = {}
         self._sessions: dict[MoqtAddress, tuple[contextlib.AsyncExitStack, MOQTConnection]] = {}
         self._locks: dict[MoqtAddress, asyncio.Lock] = {}
         self._closing: set[asyncio.Task[None]] = set()
@@ -230,11 +232,30 @@ class MoqtBlockClient:
         return candidates[-1], await self.connection(candidates[-1], audience)
 
     def candidates(self, holder: str, record: ReplicaRecord | None) -> tuple[MoqtAddress, ...]:
-        """Where to reach ``holder``: the carriers ``record`` offers for it, then QUIC."""
+        """Where to reach ``holder``: the carriers ``record`` offers for it, then QUIC.
+
+        The list found last for the same holder and carriers is taken again while the pooled
+        session to its first address is open and that address is the record's first carrier
+        (none could come before it): reading the carriers again would only check, per FETCH,
+        that a socket the open session came through still exists.
+        """
         carriers = None
         if record is not None and record.holder == holder:
             carriers = record.moqt_carriers
-        return carrier_candidates(holder, carriers, self.policy)
+        key = (holder, carriers)
+        known = self._candidates.get(key)
+        if known is not None:
+            entry = self._sessions.get(known[0])
+            if entry is not None and entry[1].session.closed is None:
+                return known
+        found = carrier_candidates(holder, carriers, self.policy)
+        if len(self._candidates) >= CANDIDATES_KEPT:
+            self._candidates.clear()
+        if carriers and len(found) > 1 and _names(carriers[0], found[0]):
+            self._candidates[key] = found  # the first carrier listed is usable: kept
+        else:
+            self._candidates.pop(key, None)
+        return found
 
     async def _open(
         self, stack: contextlib.AsyncExitStack, address: MoqtAddress, audience: str
@@ -400,8 +421,9 @@ class MoqtBlockClient:
             payload_sink=None if landing is None else landing.payload,
             object_end=None if landing is None else landing.object_end,
         )
-        try:
-            return await asyncio.wait_for(fetch, self.timeout)
+        try:  # in this task (no task per request): the FETCH leaves at once
+            async with asyncio.timeout(self.timeout):
+                return await fetch
         except RequestRejected as exc:
             raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
@@ -528,12 +550,21 @@ class MoqtBlockClient:
         track: bytes,
     ) -> Subscription:
         try:
-            return await asyncio.wait_for(connection.subscribe(namespace, track), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                return await connection.subscribe(namespace, track)
         except RequestRejected as exc:
             raise rejected_error(exc) from exc
         except (SessionClosedError, TimeoutError) as exc:
             self._forget(address, connection)
             raise TransportError(f"SUBSCRIBE at {address} failed: {exc!r}") from exc
+
+
+def _names(uri: str, address: MoqtAddress) -> bool:
+    """Whether ``uri`` is a MOQT URI of ``address``."""
+    try:
+        return parse_moqt_uri(uri) == address
+    except UnsupportedHolder:
+        return False
 
 
 async def _land(

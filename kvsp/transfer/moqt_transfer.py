@@ -19,6 +19,7 @@ SUBSCRIBE that drive these parts, are :class:`~kvsp.transfer.moqt_client.MoqtBlo
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import threading
 from collections import deque
@@ -93,10 +94,12 @@ class MoqtAddress:
         return f"{self.carrier}:{where}:{self.port}"
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_moqt_uri(uri: str) -> MoqtAddress:
     """The address of a ``moqt``, ``moqt+tls``, ``moqt+tcp`` or ``moqt+unix`` URI; a ``moqt``
     port defaults to 443, the others need one (a ``moqt+unix`` URI has none: its path is the
-    socket's).
+    socket's). Every FETCH reads its record's holder and carriers again, so the (immutable)
+    addresses of recent URIs are kept; a URI that fails is not, it raises each time.
 
     Raises:
         UnsupportedHolder: not such a URI with a host and a valid port.
@@ -186,8 +189,14 @@ class BlockStream(Generic[T]):
             DigestMismatch, ContainerError, NotFound, TransportError: as the transfer failed
                 (again, when iteration already failed).
         """
-        async for _ in self:
-            pass
+        if self._error is not None:
+            raise self._error
+        try:  # the generator itself, not __anext__ a layer at a time: nothing is handed out
+            async for _ in self._iterator:
+                pass
+        except BaseException as exc:
+            self._error = exc
+            raise
         if self.result is None:
             raise RuntimeError("the block stream ended without a block")
         return self.result

@@ -802,3 +802,71 @@ def test_removing_the_sink_returns_events_again(pair: Pair) -> None:
     assert sink.events == [] and sink.payload == []
     assert of_type(pair.client_events, FetchStreamOpened)[0].request_id == rid
     assert collect_objects(pair.client_events, rid) == dict(enumerate(layers(2, 1000)))
+
+
+def routed_objects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the object events that went through the session's general dispatch
+    (:meth:`DataPlane._route`) rather than straight to a track's sink."""
+    from moqt.objects import ObjectChunk, ObjectStart
+    from moqt.objects import ObjectEnd as ParsedEnd
+    from moqt.session_data import DataPlane
+
+    routed: list[str] = []
+    route = DataPlane._route
+
+    def spy(plane: DataPlane, stream_id: int, stream: Any, event: Any, out: Any) -> None:
+        if isinstance(event, ObjectStart | ObjectChunk | ParsedEnd):
+            routed.append(type(event).__name__)
+        route(plane, stream_id, stream, event, out)
+
+    monkeypatch.setattr(DataPlane, "_route", spy)
+    return routed
+
+
+@pytest.mark.parametrize("size", [40, 700])  # whole objects, and one cut by the piece's end
+def test_objects_in_the_piece_that_opens_a_fetch_stream_go_straight_to_the_sink(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    routed = routed_objects(monkeypatch)
+    payloads = layers(12, size)
+    rid = pair.c.fetch(NS, TRACK, Location(0, 0), Location(0, 12))
+    sink = RecordingSink()
+    pair.c.set_track_sink(rid, sink)
+    pair.pump()
+    before = pair.c.payload_octets_received
+    serve_fetch(pair, rid, 0, 11, payloads)
+    assert routed == []  # the FETCH_HEADER bound the stream; its piece's objects followed it
+    kinds = [type(event) for event in sink.events]
+    assert kinds == [FetchStreamOpened, *[ObjectHeader, ObjectEnd] * 12, DataStreamFinished]
+    assert [e.object_id for e in sink.events if isinstance(e, ObjectEnd)] == list(range(12))
+    pieces = iter(sink.payload)
+    for index, payload in enumerate(payloads):  # each object's pieces, in order, whole
+        got = bytearray()
+        while len(got) < len(payload):
+            _, data, offset = next(pieces)
+            assert offset == len(got), f"object {index}"
+            got += data
+        assert bytes(got) == payload
+    assert next(pieces, None) is None
+    assert pair.c.payload_octets_received - before == sum(map(len, payloads))
+    assert of_type(pair.client_events, ObjectHeader) == []
+
+
+def test_objects_in_the_piece_that_opens_a_subgroup_go_straight_to_the_sink(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    routed = routed_objects(monkeypatch)
+    rid = pair.c.subscribe(NS, TRACK)
+    sink = RecordingSink()
+    pair.c.set_track_sink(rid, sink)
+    pair.pump()
+    pair.server.subscribe_ok(rid)
+    pair.pump()
+    stream_id = pair.server.open_subgroup(rid, 0, end_of_group=True)
+    for index in range(5):
+        pair.server.send_object(stream_id, index, b"%d" % index * 30, end_stream=index == 4)
+    pair.pump()
+    assert routed == []
+    kinds = [type(event) for event in sink.events]
+    assert kinds == [SubgroupStreamOpened, *[ObjectHeader, ObjectEnd] * 5, DataStreamFinished]
+    assert [data for _, data, _ in sink.payload] == [b"%d" % i * 30 for i in range(5)]

@@ -147,3 +147,74 @@ def test_the_watchdog_reads_progress_from_the_callable() -> None:
         dog.cancel()
 
     asyncio.run(test())
+
+
+def _layer(index: int) -> Layer:
+    octets = memoryview(bytes([index]) * 8)
+    return Layer(index, octets[:4], octets[4:])
+
+
+def test_a_block_streams_result_comes_after_every_layer_and_its_error_stays() -> None:
+    from collections.abc import AsyncGenerator
+
+    from kvsp.transfer.moqt_transfer import BlockStream
+
+    async def test() -> None:
+        async def good(stream: BlockStream[str]) -> AsyncGenerator[Layer, None]:
+            for index in range(3):
+                yield _layer(index)
+            stream.result = "block"
+
+        assert await BlockStream(good).block() == "block"
+        streamed = BlockStream(good)
+        assert [layer.index async for layer in streamed] == [0, 1, 2]
+        assert await streamed.block() == "block"
+
+        async def bad(stream: BlockStream[str]) -> AsyncGenerator[Layer, None]:
+            yield _layer(0)
+            raise DigestMismatch("layer 1 differs")
+
+        failing = BlockStream(bad)
+        for _ in range(2):  # the first error, again, and nothing more handed out
+            try:
+                await failing.block()
+            except DigestMismatch as exc:
+                assert "layer 1" in str(exc)
+            else:
+                raise AssertionError("no error")
+        try:
+            await failing.__anext__()
+        except DigestMismatch:
+            pass
+        else:
+            raise AssertionError("iteration went on after the error")
+
+    asyncio.run(test())
+
+
+def test_a_whole_layer_in_one_piece_that_fails_its_digest_is_kept_as_the_error() -> None:
+    landed = Landed(digests=[DIGESTS[0], DIGESTS[2], DIGESTS[2], DIGESTS[3]])
+    for index, layer in enumerate(LAYERS):
+        landed.send(header(index), layer, [])  # each payload in one piece
+    assert isinstance(landed.landing.error, DigestMismatch)
+    assert [layer.index for layer in landed.ready()] == [0]
+
+
+def test_a_piece_longer_than_its_object_is_kept_as_the_error() -> None:
+    for cuts in ([], [PAYLOAD // 2], [PAYLOAD]):  # whole and one more octet, or after a part
+        landed = Landed()
+        landed.send(header(0), LAYERS[0] + b"\x00", cuts)
+        assert isinstance(landed.landing.error, ContainerError)
+        assert not landed.ready()
+
+
+def test_an_assembler_puts_a_whole_payload_k_first_then_v() -> None:
+    assembler = LayerAssembler(GEOMETRY, 0, 3, token_count=TOKENS)
+    for index in (2, 0):
+        assembler.begin(0, index, PAYLOAD)
+        assembler.feed(memoryview(LAYERS[index]))
+        layer, digest = assembler.end()
+        assert bytes(layer.k) == LAYERS[index][: PAYLOAD // 2]
+        assert bytes(layer.v) == LAYERS[index][PAYLOAD // 2 :]
+        assert digest == DIGESTS[index]
+    assert assembler.span(0, 0) is not None and bytes(assembler.span(0, 0)) == LAYERS[0]

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -64,8 +67,16 @@ def test_carrier_uris_parse(uri: str, address: MoqtAddress) -> None:
     ],
 )
 def test_bad_carrier_uris_are_unsupported_holders(uri: str) -> None:
-    with pytest.raises(UnsupportedHolder):
-        parse_moqt_uri(uri)
+    for _ in range(2):  # a failure is not remembered as an address: it raises again
+        with pytest.raises(UnsupportedHolder):
+            parse_moqt_uri(uri)
+
+
+def test_a_uri_read_again_gives_the_address_already_parsed() -> None:
+    uri = "moqt+unix://localhost/run/kvsp/again.sock"
+    first = parse_moqt_uri(uri)
+    assert parse_moqt_uri(uri) is first  # every FETCH reads its record's holder and carriers
+    assert parse_moqt_uri("moqt+tcp://127.0.0.1:7/") is not first
 
 
 def test_same_origin_carriers_come_first_in_record_order_then_quic() -> None:
@@ -134,3 +145,62 @@ def test_loopback_names(host: str, expected: bool) -> None:
 @pytest.mark.parametrize("host", ["10.0.0.1", "relay.example", "0.0.0.0", "::"])
 def test_non_loopback_names(host: str) -> None:
     assert not is_loopback(host)
+
+
+class _OpenSession:
+    """Stands in for a pooled MOQT session: ``session.closed`` None while open."""
+
+    def __init__(self) -> None:
+        self.session = self
+        self.closed: object = None
+
+
+def _record(holder: str, carriers: list[str]) -> Any:
+    return SimpleNamespace(holder=holder, moqt_carriers=tuple(carriers))
+
+
+def test_a_clients_carrier_list_is_read_again_unless_its_first_carriers_session_is_open(
+    unix_socket: Path,
+) -> None:
+    from kvsp.transfer.moqt_client import MoqtBlockClient
+
+    holder = "moqt://127.0.0.1:4443/"
+    record = _record(holder, [f"moqt+unix://localhost{unix_socket}", "moqt+tcp://127.0.0.1:9/"])
+    client = MoqtBlockClient(verify=False)
+    first = client.candidates(holder, record)
+    assert [a.carrier for a in first] == ["unix", "tcp", "quic"]
+    unix_socket.unlink()  # no session over it yet: the next FETCH reads the carriers again
+    assert [a.carrier for a in client.candidates(holder, record)] == ["tcp", "quic"]
+    unix_socket.touch()
+    session = _OpenSession()
+    client._sessions[first[0]] = (contextlib.AsyncExitStack(), session)  # type: ignore[assignment]
+    assert [a.carrier for a in client.candidates(holder, record)] == ["tcp", "quic"]  # a file
+    unix_socket.unlink()
+    bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound.bind(str(unix_socket))
+    try:
+        assert client.candidates(holder, record) == first  # read again: the socket is back
+        unix_socket.unlink()  # the open session over it is kept using, not re-checked
+        assert client.candidates(holder, record) == first
+        session.closed = "gone"
+        assert [a.carrier for a in client.candidates(holder, record)] == ["tcp", "quic"]
+    finally:
+        bound.close()
+
+
+def test_a_list_whose_first_carrier_was_unusable_is_read_again_each_time(tmp_path: Path) -> None:
+    from kvsp.transfer.moqt_client import MoqtBlockClient
+
+    holder = "moqt://127.0.0.1:4443/"
+    path = tmp_path / "later.sock"
+    record = _record(holder, [f"moqt+unix://localhost{path}", "moqt+tcp://127.0.0.1:9/"])
+    client = MoqtBlockClient(verify=False)
+    tcp = client.candidates(holder, record)
+    assert [a.carrier for a in tcp] == ["tcp", "quic"]
+    client._sessions[tcp[0]] = (contextlib.AsyncExitStack(), _OpenSession())  # type: ignore[assignment]
+    bound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound.bind(str(path))
+    try:  # the socket the record lists first appeared: it is preferred from now on
+        assert [a.carrier for a in client.candidates(holder, record)] == ["unix", "tcp", "quic"]
+    finally:
+        bound.close()

@@ -394,3 +394,42 @@ def test_an_aborted_live_track_hands_out_nothing_more(certs: tuple[str, str]) ->
                 ).block()
 
     run(test)
+
+
+def test_a_fetch_never_answered_times_out_cancelled_and_its_session_forgotten(
+    certs: tuple[str, str],
+) -> None:
+    from moqt.asyncio import MOQTConnection, serve
+    from moqt.session_events import FetchCancelReceived
+
+    cancelled: list[int] = []
+
+    async def silent(connection: MOQTConnection) -> None:  # takes the FETCH, never answers it
+        async for event in connection.requests():
+            if isinstance(event, FetchCancelReceived):
+                cancelled.append(event.request_id)
+
+    async def test() -> None:
+        cert, key = certs
+        quic = get_backend("aioquic")
+        configuration = quic.configuration(is_client=False, certificate=cert, private_key=key)
+        server = await serve(
+            "127.0.0.1", 0, configuration=configuration, handler=silent, backend="aioquic"
+        )
+        try:
+            async with MoqtBlockClient(cafile=cert, backend="aioquic", timeout=0.5) as client:
+                uri = f"moqt://127.0.0.1:{server.address[1]}"
+                started = asyncio.get_running_loop().time()
+                with pytest.raises(TransportError, match="FETCH of .* failed: TimeoutError"):
+                    await client.get_block(record(uri), geometry=GEOMETRY, block_tokens=TOKENS)
+                assert asyncio.get_running_loop().time() - started < 5
+                assert client.sessions() == []  # the next request connects anew
+                for _ in range(50):
+                    if cancelled:
+                        break
+                    await asyncio.sleep(0.02)
+                assert len(cancelled) == 1  # FETCH_CANCEL: the holder stops serving it
+        finally:
+            server.close()
+
+    run(test)

@@ -4,10 +4,12 @@ over MOQT through the relay and over HTTP from the instance that computed it, si
 
 Instances started with ``--relay`` push every block they publish to the relay as a stored
 track; the relay caches it and, being a holder, publishes its own Replica Record with its
-``moqt://`` URI. One directive names only the relay as source, so the target loads every block
-over MOQT (FETCH of the stored track, every layer checked against the record's digests); the
-other names only the computing instance's HTTP holder face. Each target then serves a request
-with the loaded prefix.
+``moqt://`` URI. One directive names only the relay as source of system prompt A, so the target
+loads every block over MOQT (FETCH of the stored track, every layer checked against the
+record's digests); the other names only the HTTP holder face of the instance that computed
+system prompt B. Each target is an instance that holds none of the prefix it is sent (step 1's
+placements may already have moved A somewhere), so that the table's octets and MB/s are what
+crossed the transport; each then serves a request with the loaded prefix.
 """
 
 from __future__ import annotations
@@ -24,38 +26,57 @@ if TYPE_CHECKING:
 
 def run_moqt_prefetch(scenario: Scenario) -> None:
     """Step 2: one directive over MOQT through the relay, one over HTTP."""
-    cluster, console = scenario.cluster, scenario.console
+    cluster, console, client = scenario.cluster, scenario.console, scenario.client
     endpoints = cluster.running()
-    source = scenario.holder_of_prefix
-    keys = scenario.system_keys
-    targets = [url for url in endpoints.instances.values() if url != source]
+    instances = list(endpoints.instances.values())
+    a_keys, b_keys = scenario.system_keys, client.keys(scenario.other_system)
     console.heading(
-        f"2. Prefetch: directives load the {len(keys)}-block prefix into other instances over "
+        f"2. Prefetch: directives load a {len(a_keys)}-block prefix into other instances over "
         "MOQT through the relay and over HTTP (§6.5, DESIGN §4)"
     )
-    plans: list[tuple[str, str, str]] = []  # (target, source, transport)
+    # (target, source, transport, keys, system prompt)
+    plans: list[tuple[str, str, str, list[BlockKey], list[int] | None]] = []
     relay = endpoints.relay_moqt
-    if cluster.relay_link and relay and targets:
-        scenario.await_published(relay, keys)
-        console.line(
-            f"the relay cached the blocks {scenario.name(source)} pushed to it and published "
-            f"{len(keys)} replicas of its own at the IS ({relay})"
-        )
-        plans.append((targets.pop(0), relay, "MOQT"))
-    else:
+    if not (cluster.relay_link and relay):
         scenario.figures.missing.append(
             "prefetch over MOQT: `kvsp serve instance` has no --relay option in this build, "
             "so no instance publishes blocks to the relay or loads moqt:// replicas"
         )
-    if targets:
-        plans.append((targets[0], source, "HTTP"))
-    rows = [_load(scenario, target, origin, transport, keys) for target, origin, transport in plans]
+    elif target := _without(scenario, instances, a_keys):
+        scenario.await_published(relay, a_keys)
+        console.line(
+            f"the relay cached the blocks {scenario.name(scenario.holder_of_prefix)} pushed to "
+            f"it and published {len(a_keys)} replicas of its own at the IS ({relay})"
+        )
+        plans.append((target, relay, "MOQT", a_keys, None))
+    b_holders = client.holders(b_keys)
+    source = next((i for i in instances if b_holders and all(i in h for h in b_holders)), None)
+    taken = [plan[0] for plan in plans]
+    others = [i for i in instances if i != source and i not in taken]
+    if source is not None and (target := _without(scenario, others, b_keys)):
+        plans.append((target, source, "HTTP", b_keys, scenario.other_system))
+    if len(plans) < 1 + bool(cluster.relay_link and relay):
+        scenario.figures.missing.append(
+            "a prefetch directive: no instance was left that holds none of its prefix"
+        )
+    rows = [_load(scenario, t, origin, transport, keys) for t, origin, transport, keys, _ in plans]
     console.table(["target", "source", "transport", "loaded", "KiB", "seconds", "MB/s"], rows)
-    served = [scenario.serve_at(f"R: prompt A at {scenario.name(t)}", t) for t, _, _ in plans]
+    served = [
+        scenario.serve_at(
+            f"R: prompt {'A' if system is None else 'B'} at {scenario.name(t)}", t, system
+        )
+        for t, _, _, _, system in plans
+    ]
     if served:
         scenario.placement_table(served)
         for placement in served:
             scenario.file_ttft(placement)
+
+
+def _without(scenario: Scenario, candidates: Sequence[str], keys: Sequence[BlockKey]) -> str | None:
+    """The first of ``candidates`` that the IS names as holder of none of ``keys``."""
+    held = set().union(*scenario.client.holders(keys))
+    return next((url for url in candidates if url not in held), None)
 
 
 def _load(

@@ -87,6 +87,8 @@ class Scenario:
         self.system = text_prompt(SYSTEM_PROMPTS[0], options.prompt_tokens // b * b)
         self.figures.prompt_tokens = len(self.system)
         self.system_keys: list[BlockKey] = client.keys(self.system)
+        self.other_system = text_prompt(SYSTEM_PROMPTS[1], len(self.system))
+        """System prompt B (step 1 computes it, step 2 loads it over HTTP)."""
         self.holder_of_prefix = ""
         self._asked = 0
 
@@ -135,10 +137,10 @@ class Scenario:
         placement.prefetched = directive is not None
         return placement
 
-    def serve_at(self, label: str, instance: str) -> Placement:
-        """POST generate the next question at ``instance`` directly (no placement), right
-        after a directive loaded the prefix there."""
-        prompt = self.next_prompt()
+    def serve_at(self, label: str, instance: str, system: Sequence[int] | None = None) -> Placement:
+        """POST generate the next question after ``system`` (default: the shared prompt) at
+        ``instance`` directly (no placement), right after a directive loaded it there."""
+        prompt = self.next_prompt(system)
         matched = len(self.client.lookup(self.client.keys(prompt)))
         answer_tokens = self.options.answer_tokens
         placement = self._generate(label, instance, prompt, answer_tokens, matched, None)
@@ -242,7 +244,7 @@ class Scenario:
             "the IS (§6.1)"
         )
         second = self.ask("R2: system prompt A")
-        third = self.ask("R3: system prompt B", text_prompt(SYSTEM_PROMPTS[1], len(self.system)))
+        third = self.ask("R3: system prompt B", self.other_system)
         self.placement_table([first, second, third])
         for placement in (first, second, third):
             self.file_ttft(placement)

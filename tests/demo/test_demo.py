@@ -72,6 +72,10 @@ def state(model_state: Path, tmp_path: Path) -> Iterator[Path]:
     assert not leftovers, leftovers
 
 
+STEP_1_ROW = r"^(R[123]): system prompt ([AB]) +\d+/\d+ +(\S+) "
+STEP_2_ROW = r"^(\S+) +(\S+) +(MOQT|HTTP) +\d+/\d+ "
+
+
 def test_demo_plays_the_scenario_to_a_clean_exit_and_leaves_no_process(state: Path) -> None:
     done = subprocess.run(
         [*KVSP, "demo", "--state", str(state), "--prompt-tokens", "512"],
@@ -95,6 +99,15 @@ def test_demo_plays_the_scenario_to_a_clean_exit_and_leaves_no_process(state: Pa
     assert moved["HTTP"] == str(blocks)  # the HTTP directive loaded the whole prefix
     if instances_support_relay():
         assert moved["MOQT"] == str(blocks), report  # and so did the one through the relay
+    # each directive goes to an instance that held none of its prefix, so what the table says
+    # moved did cross the transport (step 1 may already have moved prompt A by a directive)
+    placed = {r: (p, on) for r, p, on in re.findall(STEP_1_ROW, out, re.MULTILINE)}
+    held = {"A": {on for p, on in placed.values() if p == "A"}, "B": {placed["R3"][1]}}
+    step_2 = out[out.index("2. Prefetch") : out.index("3. Drain and sleep")]
+    loads = re.findall(STEP_2_ROW, step_2, re.MULTILINE)
+    assert len(loads) == (2 if instances_support_relay() else 1), step_2
+    for target, _source, transport in loads:
+        assert target not in held["A" if transport == "MOQT" else "B"], (target, held, step_2)
     assert not StateFolder(state).cluster_file.exists()
     assert processes_naming(str(state)) == []
 

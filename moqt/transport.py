@@ -492,10 +492,31 @@ def quic_client(
             host, port, configuration=configuration, create_protocol=create_protocol
         )
     library: Any = importlib.import_module(f"{backend.name}.asyncio.client")
-    return cast(
-        contextlib.AbstractAsyncContextManager[Any],
-        library.connect(host, port, configuration=configuration, create_protocol=create_protocol),
+    made: list[Any] = []
+
+    def create(*args: Any, **kwargs: Any) -> Any:
+        made.append(create_protocol(*args, **kwargs))
+        return made[-1]
+
+    return _closing_socket(
+        library.connect(host, port, configuration=configuration, create_protocol=create), made
     )
+
+
+@contextlib.asynccontextmanager
+async def _closing_socket(client: Any, made: list[Any]) -> AsyncIterator[Any]:
+    """``client`` (a library's ``connect``, whose protocol lands in ``made``), with its socket
+    closed on exit even when the exit's wait for the connection's end (three PTOs of closing,
+    RFC 9000 §10.2) is cancelled, during the handshake or after: the library closes its
+    transport only after that wait, and a cancelled one left the socket open."""
+    try:
+        async with client as protocol:
+            yield protocol
+    finally:
+        for protocol in made:
+            transport = getattr(protocol, "_transport", None)
+            if transport is not None:
+                transport.close()  # a no-op when the library closed it
 
 
 def quic_server_class(backend: Backend) -> type:

@@ -257,7 +257,8 @@ async def aioquic_client(
 ) -> AsyncIterator[Any]:
     """Connect as ``aioquic.asyncio.client.connect`` does (a dual-stack socket, the server name
     defaulting to ``host``, the handshake completed before the protocol is yielded, closed and
-    waited for on exit), on a :class:`BatchedDatagramTransport`.
+    waited for on exit), on a :class:`BatchedDatagramTransport`, whose socket is closed on exit
+    even when the wait for the connection's end is cancelled.
 
     Raises:
         ConnectionError: the handshake failed.
@@ -284,6 +285,8 @@ async def aioquic_client(
         await protocol.wait_connected()
         yield protocol
     finally:
-        protocol.close()
-        await protocol.wait_closed()
-        transport.close()
+        try:
+            protocol.close()
+            await protocol.wait_closed()
+        finally:  # also when that wait is cancelled: the socket must not outlive the client
+            transport.close()

@@ -49,11 +49,10 @@ def run_moqt_prefetch(scenario: Scenario) -> None:
             f"it and published {len(a_keys)} replicas of its own at the IS ({relay})"
         )
         plans.append((target, relay, "MOQT", a_keys, None))
-    b_holders = client.holders(b_keys)
-    source = next((i for i in instances if b_holders and all(i in h for h in b_holders)), None)
-    taken = [plan[0] for plan in plans]
-    others = [i for i in instances if i != source and i not in taken]
-    if source is not None and (target := _without(scenario, others, b_keys)):
+    source = scenario.holder_of_other
+    others = [i for i in instances if i != source and i not in [plan[0] for plan in plans]]
+    if source and (target := _without(scenario, others, b_keys)):
+        scenario.await_published(source, b_keys)
         plans.append((target, source, "HTTP", b_keys, scenario.other_system))
     if len(plans) < 1 + bool(cluster.relay_link and relay):
         scenario.figures.missing.append(

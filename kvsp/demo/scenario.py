@@ -90,6 +90,8 @@ class Scenario:
         self.other_system = text_prompt(SYSTEM_PROMPTS[1], len(self.system))
         """System prompt B (step 1 computes it, step 2 loads it over HTTP)."""
         self.holder_of_prefix = ""
+        self.holder_of_other = ""
+        """The instance that computed system prompt B in step 1."""
         self._asked = 0
 
     # -- helpers --------------------------------------------------------------------------------
@@ -245,6 +247,7 @@ class Scenario:
         )
         second = self.ask("R2: system prompt A")
         third = self.ask("R3: system prompt B", self.other_system)
+        self.holder_of_other = third.instance
         self.placement_table([first, second, third])
         for placement in (first, second, third):
             self.file_ttft(placement)

@@ -73,7 +73,9 @@ class Site:
         answer = self.http.post(f"{control}lookup", json=body)
         assert answer.status_code == 200, answer.text
         holders = [{r["holder"] for r in rs} for rs in answer.json()["replicas"]]
-        return True if all(relay in h for h in holders) else None
+        # the lookup lists the matched prefix only: none matched yet is not "the relay holds all"
+        held = len(holders) == len(keys) and all(relay in h for h in holders)
+        return True if held else None
 
     def prefetch(self, instance: RunningService, keys: list[BlockKey], source: str) -> Any:
         directive = {

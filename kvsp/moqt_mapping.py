@@ -464,6 +464,17 @@ class LayerAssembler:
         Raises:
             ContainerError: see the class.
         """
+        k, v = self._place(group_id, object_id, payload_length)
+        self._current = (object_id, k, v)
+        if self.hashing:
+            self._hash = hashlib.sha256()
+        self._filled = 0
+
+    def _place(
+        self, group_id: int, object_id: int, payload_length: int
+    ) -> tuple[memoryview, memoryview]:
+        """Where the K and V sections of layer ``object_id`` go, once it is found to be a new
+        layer of the range with the block's payload length."""
         if self._current is not None:
             raise ContainerError(f"object {object_id} begins inside layer {self._current[0]}")
         if group_id != KV_GROUP or not self.first <= object_id <= self.last:
@@ -481,19 +492,14 @@ class LayerAssembler:
             )
         section = payload_length // 2
         if self._sink is not None:
-            k, v = self._sink.layer_buffer(object_id, section, section)
-        else:
-            if self._buffer is None:
-                size = self.count * payload_length
-                allocate = self._allocate
-                self._buffer = memoryview(bytearray(size)) if allocate is None else allocate(size)
-            start = (object_id - self.first) * payload_length
-            k = self._buffer[start : start + section]
-            v = self._buffer[start + section : start + payload_length]
-        self._current = (object_id, k, v)
-        if self.hashing:
-            self._hash = hashlib.sha256()
-        self._filled = 0
+            return self._sink.layer_buffer(object_id, section, section)
+        if self._buffer is None:
+            size = self.count * payload_length
+            allocate = self._allocate
+            self._buffer = memoryview(bytearray(size)) if allocate is None else allocate(size)
+        start = (object_id - self.first) * payload_length
+        buffer = self._buffer
+        return buffer[start : start + section], buffer[start + section : start + payload_length]
 
     def feed(self, data: memoryview) -> None:
         """The next piece of the current object's payload.
@@ -523,6 +529,23 @@ class LayerAssembler:
         if taken < size:
             start = offset + taken - section
             v[start : start + size - taken] = data[taken:]
+
+    def land(
+        self, group_id: int, object_id: int, payload: memoryview
+    ) -> tuple[Layer, bytes | None]:
+        """A whole object at once (its header and all of its payload were received together):
+        what :meth:`begin`, :meth:`feed` with ``payload`` and :meth:`end` give, in one call
+        and one copy.
+
+        Raises:
+            ContainerError: as :meth:`begin`.
+        """
+        k, v = self._place(group_id, object_id, len(payload))
+        section = len(k)
+        k[:] = payload[:section]
+        v[:] = payload[section:]
+        layer = self._layers[object_id] = Layer(object_id, k, v)
+        return layer, hashlib.sha256(payload).digest() if self.hashing else None
 
     def end(self) -> tuple[Layer, bytes | None]:
         """The current object is complete: its layer and layer digest (None when not

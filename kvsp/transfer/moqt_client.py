@@ -420,6 +420,7 @@ class MoqtBlockClient:
             end,
             payload_sink=None if landing is None else landing.payload,
             object_end=None if landing is None else landing.object_end,
+            runs=None if landing is None else landing.run,
         )
         try:  # in this task (no task per request): the FETCH leaves at once
             async with asyncio.timeout(self.timeout):

@@ -51,6 +51,7 @@ from kvsp.registries import Codec
 from kvsp.transfer.verify import VerifiedBlock, layer_range
 from moqt.asyncio import RequestRejected
 from moqt.errors import ObjectStatus, RequestErrorCode
+from moqt.objects import ObjectRun
 from moqt.session_events import (
     DataStreamReset,
     MalformedTrackDetected,
@@ -281,10 +282,12 @@ class ObjectFeed:
 
 class FetchLanding:
     """The payload sink of a FETCH (:meth:`moqt.transport.TrackReader.set_payload_sink` with
-    ``object_end``): pieces go into the :class:`LayerAssembler` and each ended layer into the
-    :class:`LayerChecks` from the session's receive path, so a block of many objects costs no
-    event and no wake-up of the consumer per piece, header or end. Status objects (a relay's
-    END_OF_GROUP) are skipped, and in-band digests are not read (the record is authoritative).
+    ``object_end`` and ``runs``): pieces go into the :class:`LayerAssembler` and each ended
+    layer into the :class:`LayerChecks` from the session's receive path, so a block of many
+    objects costs no event and no wake-up of the consumer per piece, header or end; the whole
+    objects a received piece holds (a small block's) come as one run, landed in one call each.
+    Status objects (a relay's END_OF_GROUP) are skipped, and in-band digests are not read (the
+    record is authoritative).
 
     A callback never raises into the carrier's receive path: the first error (an object that
     is not a layer of the block, a mismatch found inline) is kept in :attr:`error`, everything
@@ -339,6 +342,25 @@ class FetchLanding:
             self._fail(exc)
             return
         if digest is not None:
+            self._wake()
+
+    def run(self, run: ObjectRun) -> None:
+        """Whole objects, each a layer (the run sink): landed and checked one after another,
+        the consumer woken once for the run."""
+        self.progress += 1
+        if self.error is not None:
+            return
+        data, land, add = run.data, self.assembler.land, self.checks.add
+        hashed = False
+        try:
+            for group_id, _, object_id, _, _, start, length in run.objects:
+                layer, digest = land(group_id, object_id, data[start : start + length])
+                add(layer, digest)
+                hashed = hashed or digest is not None
+        except Exception as exc:  # noqa: BLE001 - raised by the consumer (see the class)
+            self._fail(exc)
+            return
+        if hashed:
             self._wake()
 
     def _begin(self, header: ObjectHeader) -> None:

@@ -29,14 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvsp import ids
-from kvsp.container import DIGEST_SIZE, Geometry, Layer
+from kvsp import ids, sha256x2
+from kvsp.container import DIGEST_SIZE, Geometry, Layer, layer_digest
 from kvsp.container_reader import LayerSink
 from kvsp.errors import ContainerError, InvalidIdentifier, RecordError
 from kvsp.fields import type_name
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from moqt.errors import KeyValueFormattingError
-from moqt.objects import encode_immutable_extensions, immutable_extensions
+from moqt.objects import ObjectRun, encode_immutable_extensions, immutable_extensions
 from moqt.wire import Bytes, KeyValuePair, Location, TrackNamespace
 
 KV_TAG = b"kvsp"
@@ -530,22 +530,34 @@ class LayerAssembler:
             start = offset + taken - section
             v[start : start + size - taken] = data[taken:]
 
-    def land(
-        self, group_id: int, object_id: int, payload: memoryview
-    ) -> tuple[Layer, bytes | None]:
-        """A whole object at once (its header and all of its payload were received together):
-        what :meth:`begin`, :meth:`feed` with ``payload`` and :meth:`end` give, in one call
-        and one copy.
+    def land(self, run: ObjectRun, landed: list[Layer]) -> None:
+        """The whole objects of ``run`` (each header came with all of its payload), each
+        placed and copied as :meth:`begin`, :meth:`feed` and :meth:`end` would, its layer
+        appended to ``landed``; not hashed (see :meth:`digests`).
 
         Raises:
-            ContainerError: as :meth:`begin`.
+            ContainerError: as :meth:`begin`, for the first object that is not a layer of the
+                range (the layers before it are landed).
         """
-        k, v = self._place(group_id, object_id, len(payload))
-        section = len(k)
-        k[:] = payload[:section]
-        v[:] = payload[section:]
-        layer = self._layers[object_id] = Layer(object_id, k, v)
-        return layer, hashlib.sha256(payload).digest() if self.hashing else None
+        data, place, layers = run.data, self._place, self._layers
+        for group_id, _, object_id, _, _, start, length in run.objects:
+            k, v = place(group_id, object_id, length)
+            section = len(k)
+            k[:] = data[start : start + section]
+            v[:] = data[start + section : start + length]
+            layer = layers[object_id] = Layer(object_id, k, v)
+            landed.append(layer)
+
+    def digests(self, layers: Sequence[Layer]) -> list[bytes]:
+        """The layer digests (§4.3) of ``layers``, landed ones: consecutive layers in the block
+        buffer hashed in one native call (:mod:`kvsp.sha256x2`, two layers at a time),
+        others one by one."""
+        first = layers[0].index if layers else 0
+        span = self.span(first, first + len(layers) - 1) if layers else None
+        ascending = [layer.index for layer in layers] == list(range(first, first + len(layers)))
+        if span is None or not ascending or not sha256x2.ACCELERATED:
+            return [layer_digest(layer.k, layer.v) for layer in layers]
+        return sha256x2.digests(span, len(span) // len(layers))
 
     def end(self) -> tuple[Layer, bytes | None]:
         """The current object is complete: its layer and layer digest (None when not

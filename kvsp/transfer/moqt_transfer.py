@@ -345,22 +345,27 @@ class FetchLanding:
             self._wake()
 
     def run(self, run: ObjectRun) -> None:
-        """Whole objects, each a layer (the run sink): landed and checked one after another,
-        the consumer woken once for the run."""
+        """Whole objects, each a layer (the run sink): landed one after another, then hashed
+        together where the assembler hashes (:meth:`LayerAssembler.digests`) and checked, the
+        consumer woken once for the run. Nothing after the first object that is not a layer
+        or the first layer that fails its check is handed out."""
         self.progress += 1
         if self.error is not None:
             return
-        data, land, add = run.data, self.assembler.land, self.checks.add
-        hashed = False
+        assembler = self.assembler
+        landed: list[Layer] = []
+        error: Exception | None = None
         try:
-            for group_id, _, object_id, _, _, start, length in run.objects:
-                layer, digest = land(group_id, object_id, data[start : start + length])
-                add(layer, digest)
-                hashed = hashed or digest is not None
+            assembler.land(run, landed)
         except Exception as exc:  # noqa: BLE001 - raised by the consumer (see the class)
-            self._fail(exc)
-            return
-        if hashed:
+            error = exc
+        try:
+            self.checks.add_run(landed, assembler.digests(landed) if assembler.hashing else None)
+        except Exception as exc:  # noqa: BLE001
+            error = exc  # a layer before the one that stopped the landing
+        if error is not None:
+            self._fail(error)
+        elif assembler.hashing and landed:
             self._wake()
 
     def _begin(self, header: ObjectHeader) -> None:
@@ -472,6 +477,24 @@ class LayerChecks:
         self._octets += len(layer.k) + len(layer.v)
         if self._octets >= self._batch:
             self.flush()
+
+    def add_run(self, layers: Sequence[Layer], digests: Sequence[bytes] | None) -> None:
+        """Layers whose objects ended together, in order, with their digests (as many) if
+        computed: what :meth:`add` does with each.
+
+        Raises:
+            DigestMismatch: the first layer whose digest differs from the record's (the layers
+                before it are taken, none after it).
+        """
+        expected = self._expected
+        if digests is None:
+            for layer in layers:
+                self.add(layer, None)
+        elif expected is not None and digests == [expected[layer.index] for layer in layers]:
+            self._matched.extend(layers)  # all of them match: §6.7 for each
+        else:
+            for layer, digest in zip(layers, digests, strict=True):
+                self._check(layer, digest)
 
     def flush(self) -> None:
         """Hash the queued layers now (one worker-thread job), however few."""

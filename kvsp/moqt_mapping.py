@@ -429,7 +429,8 @@ class LayerAssembler:
 
     def layers(self) -> tuple[Layer, ...]:
         """The layers assembled so far, ascending."""
-        return tuple(self._layers[index] for index in sorted(self._layers))
+        layers = self._layers
+        return tuple([layers[index] for index in sorted(layers)])
 
     def span(self, first: int, last: int) -> memoryview | None:
         """The payload octets of layers ``first..last`` (ended ones, absolute indices) as one

@@ -209,13 +209,16 @@ class BlockStream(Generic[T]):
 
 class Watchdog:
     """Calls ``on_stall`` when ``progress`` (the attribute, or what the callable given as
-    ``progress`` returns) has not moved for ``idle`` seconds."""
+    ``progress`` returns) has not moved for ``idle`` seconds; from now, or with ``armed``
+    False from the first :meth:`arm` (a consumer that never has to wait needs no timer)."""
 
     def __init__(
         self,
         idle: float,
         on_stall: Callable[[], None],
         progress: Callable[[], int] | None = None,
+        *,
+        armed: bool = True,
     ) -> None:
         self.progress = 0
         self.fired = False
@@ -223,7 +226,14 @@ class Watchdog:
         self._idle = idle
         self._on_stall = on_stall
         self._measure = progress
-        self._handle = asyncio.get_running_loop().call_later(idle, self._check)
+        self._handle: asyncio.TimerHandle | None = None
+        if armed:
+            self.arm()
+
+    def arm(self) -> None:
+        """Start watching, if not yet started."""
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self._idle, self._check)
 
     def _check(self) -> None:
         progress = self.progress if self._measure is None else self._measure()
@@ -236,7 +246,8 @@ class Watchdog:
 
     def cancel(self) -> None:
         """Stop watching."""
-        self._handle.cancel()
+        if self._handle is not None:
+            self._handle.cancel()
 
 
 class ObjectFeed:

@@ -310,3 +310,22 @@ def test_a_runs_layers_in_any_order_are_hashed_and_checked_each_against_its_own_
         assert isinstance(landed.landing.error, DigestMismatch)
         handed = [layer.index for layer in landed.ready()]
         assert handed == order[: order.index(wrong)]
+
+
+def test_a_watchdog_made_unarmed_starts_its_timer_at_the_first_arm() -> None:
+    async def test() -> None:
+        stalls: list[int] = []
+        dog = Watchdog(0.01, lambda: stalls.append(1), armed=False)
+        await asyncio.sleep(0.05)
+        assert not dog.fired and not stalls  # no timer yet: a consumer that never waited
+        dog.arm()
+        dog.arm()  # once started, arming again changes nothing
+        for _ in range(100):
+            if dog.fired:
+                break
+            await asyncio.sleep(0.01)
+        assert dog.fired and stalls == [1]
+        dog.cancel()
+        Watchdog(1, lambda: None, armed=False).cancel()  # never armed: nothing to cancel
+
+    asyncio.run(test())

@@ -150,6 +150,9 @@ class CacheTrack:
     dropped: int = 0
     """How many times objects expired out of this entry (objects are otherwise only added
     while it exists), so that a reader can tell whether what it saw is all still here."""
+    oldest_ms: int | None = None
+    """The earliest ``arrived_ms`` of the cached objects (None: none cached), so that a look
+    for expired objects costs nothing until the first of them expires."""
 
     @property
     def max_cache_ms(self) -> int | None:
@@ -165,9 +168,9 @@ class CacheTrack:
     def expires_ms(self) -> int | None:
         """When the earliest object stops being servable, or None when nothing expires."""
         duration = self.max_cache_ms
-        if duration is None or not self.objects:
+        if duration is None or self.oldest_ms is None:
             return None
-        return min(obj.arrived_ms for obj in self.objects.values()) + duration
+        return self.oldest_ms + duration
 
     def in_group(self, group_id: int) -> list[CachedObject]:
         """The cached objects of one group, by Object ID."""
@@ -306,6 +309,8 @@ class ObjectCache:
         if self.size + charge > self.hard_limit:
             return PutResult.REFUSED
         entry.objects[location] = obj
+        if entry.oldest_ms is None or obj.arrived_ms < entry.oldest_ms:
+            entry.oldest_ms = obj.arrived_ms
         entry.size += charge
         self.size += charge
         self._tracks.move_to_end(key)
@@ -400,14 +405,16 @@ class ObjectCache:
 
     def _drop_expired(self, entry: CacheTrack, now_ms: int) -> bool:
         duration = entry.max_cache_ms
-        if duration is None:
-            return False
+        oldest = entry.oldest_ms
+        if duration is None or oldest is None or now_ms < oldest + duration:
+            return False  # nothing has expired yet: no scan of the track's objects
         # d16: a relay MUST NOT start forwarding an object MAX_CACHE_DURATION after arrival
         stale = [loc for loc, obj in entry.objects.items() if now_ms >= obj.arrived_ms + duration]
         for loc in stale:
             obj = entry.objects.pop(loc)
             entry.size -= obj.charge
             self.size -= obj.charge
+        entry.oldest_ms = min((obj.arrived_ms for obj in entry.objects.values()), default=None)
         if stale:
             entry.dropped += 1
         if stale and not entry.objects:

@@ -139,6 +139,27 @@ def test_objects_expire_max_cache_duration_after_arrival() -> None:
     assert key not in cache and cache.size == 0
 
 
+def test_objects_expire_one_by_one_as_the_oldest_moves_on() -> None:
+    """The track remembers its oldest arrival: each object goes exactly at its own expiry, an
+    earlier arrival cached late still counts, and a look before any expiry drops nothing."""
+    cache = ObjectCache(1 << 20)
+    key = track(b"t")
+    cache.open_track(key, max_cache(100))
+    cache.put(key, obj(1, at=20))
+    cache.put(key, obj(2, at=40))
+    cache.put(key, obj(0, at=10))  # arrived first, cached last
+    entry = cache.track(key)
+    assert entry is not None and entry.expires_ms() == 110
+    assert cache.expire(109) == [] and len(entry.objects) == 3
+    assert cache.expire(110) == [key]
+    assert sorted(entry.objects) == [Location(0, 1), Location(0, 2)]
+    assert entry.expires_ms() == 120
+    assert cache.get(key, Location(0, 1), 119) is not None
+    assert cache.get(key, Location(0, 1), 120) is None
+    assert cache.get(key, Location(0, 2), 139) is not None and entry.expires_ms() == 140
+    assert cache.expire(140) == [key] and key not in cache and cache.size == 0
+
+
 def test_an_object_arriving_once_all_others_expired_is_cached_in_a_fresh_entry() -> None:
     """The entry goes with its last expired object; the next object gets a new one that keeps
     the track's extensions (its MAX_CACHE_DURATION still applies) and the size accounting."""

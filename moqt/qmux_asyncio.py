@@ -24,7 +24,8 @@ holds nothing (asyncio 3.11's ``writelines`` would join them), over TLS through
 ``writelines``, which encrypts each buffer as it is (joining them first into larger chunks
 costs more than the small records it saves) in batches of :data:`TLS_WRITE_BATCH` bytes: the
 TLS transport encrypts all it is handed before it sends any of it, so a whole block handed at
-once would reach the peer only when all of it is encrypted. ``pause_writing`` stops
+once would reach the peer only when all of it is encrypted (:data:`DEFAULT_TLS_ENGINE` says
+who processes the records). ``pause_writing`` stops
 the pump; ``resume_writing`` transmits and wakes the connection's writers. The idle timeout
 runs on ``loop.call_at``.
 """
@@ -59,10 +60,12 @@ from .transport import tune_socket
 from .wire import Bytes
 
 __all__ = [
+    "DEFAULT_TLS_ENGINE",
     "QMuxEndpoint",
     "QMuxProtocol",
     "QMuxServer",
     "ReceiveBuffers",
+    "TLSEngine",
     "client_ssl_context",
     "connect_qmux",
     "require_loopback",
@@ -73,9 +76,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 Carrier = Literal["tls", "tcp", "unix"]
 TLSEngine = Literal["thread", "asyncio"]
-DEFAULT_TLS_ENGINE: TLSEngine = "thread"
-"""How a tls carrier processes its records: ``thread`` on a worker thread beside the event
-loop (:mod:`moqt.qmux_tls`), ``asyncio`` with asyncio's TLS transport on the loop itself."""
+DEFAULT_TLS_ENGINE: TLSEngine = "asyncio"
+"""How a tls carrier processes its records: ``asyncio`` with asyncio's TLS transport on the
+event loop, or ``thread`` on a worker thread beside it (:mod:`moqt.qmux_tls`). asyncio's is the
+default: the worker has to take the GIL back after every 16 KiB record it decrypts, and a loop
+busy parsing and landing what arrived holds the GIL up to the interpreter's switch interval, so
+on CPython the worker's records wait on the loop instead of overlapping with it, and the worker
+adds its hand-offs to the process's CPU (see :mod:`moqt.qmux_tls`)."""
 WRITE_BATCH = 4 << 20  # bytes framed per data_to_send call while the carrier takes them
 TLS_WRITE_BATCH = 256 << 10  # over TLS: each batch is encrypted, then sent (see transmit)
 WRITE_HIGH_WATER = 8 << 20  # the transport's buffer above which the pump pauses
@@ -404,6 +411,8 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         except TimeoutError:
             if self._transport is not None:
                 self._transport.abort()
+            elif self._tls is not None:  # still in its TLS handshake
+                self._tls.abort()
 
 
 def _agreed_alpn(transport: asyncio.Transport) -> str | None:

@@ -30,6 +30,13 @@ close_notify after what was written and then closes the socket without waiting f
 (RFC 8446 §6.1 allows it). Protocols get plaintext through ``data_received`` (a
 :class:`asyncio.BufferedProtocol` must accept it there too, as
 :class:`~moqt.qmux_asyncio.QMuxProtocol` does). The worker thread ends when the socket is lost.
+
+The overlap is bounded by the GIL: ``SSLObject.read`` decrypts one record (at most 16 KiB of
+plaintext) per call, so the worker takes the GIL back once a record, and while the loop runs
+Python it waits for the loop to block or for the switch interval to pass. Encryption does not
+have that cost (one ``write`` encrypts a whole buffer). This is why
+:data:`~moqt.qmux_asyncio.DEFAULT_TLS_ENGINE` stays asyncio's transport; this one is chosen
+with ``tls_engine="thread"``.
 """
 
 from __future__ import annotations
@@ -353,6 +360,8 @@ class TLSWorkerTransport(asyncio.Transport):
         self._lost = False
         self._error: BaseException | None = None
         self._tcp_eof_seen = False
+        self._held: collections.deque[memoryview] = collections.deque()  # while reading paused
+        self._held_eof: str | None = None
         self._reads = 0  # socket reads the worker has not taken yet
         self._reading_paused = False  # by the protocol
         self._socket_paused = False  # by us, while the worker lags
@@ -437,15 +446,13 @@ class TLSWorkerTransport(asyncio.Transport):
             self._connected = True
             self._protocol.connection_made(self)
         if report.plain and self._connected:
-            data_received = self._protocol.data_received  # type: ignore[attr-defined]
-            for chunk in report.plain:
-                if self._lost:
-                    return
-                data_received(chunk)
+            self._held.extend(report.plain)
         if report.error is not None:
             self._fatal(report.error)
-        elif report.eof is not None:
-            self._eof(report.eof)
+            return
+        if report.eof is not None:
+            self._held_eof = report.eof
+        self._deliver()
         if report.shutdown and self._sock is not None:
             self._sock.close()
 
@@ -453,6 +460,15 @@ class TLSWorkerTransport(asyncio.Transport):
         """Abort the connection; the protocol's ``connection_lost`` (or the handshake) gets
         ``error``."""
         self._fatal(error)
+
+    def _deliver(self) -> None:
+        """Hand the protocol what was decrypted, then the end, while it reads."""
+        held = self._held
+        while held and not self._reading_paused and not self._lost:
+            self._protocol.data_received(held.popleft())  # type: ignore[attr-defined]
+        if not held and self._held_eof is not None and not self._reading_paused:
+            how, self._held_eof = self._held_eof, None
+            self._eof(how)
 
     def _fatal(self, error: BaseException) -> None:
         if self._lost:
@@ -546,6 +562,8 @@ class TLSWorkerTransport(asyncio.Transport):
     def resume_reading(self) -> None:
         self._reading_paused = False
         self._control_reading()
+        if self._held or self._held_eof is not None:
+            self._loop.call_soon(self._deliver)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         if high is None:

@@ -110,6 +110,8 @@ def run(certs: tuple[str, str], body: Body, **server_peer: bool) -> list[Peer]:
                 plain_buffers=ReceiveBuffers(),
             )
             await asyncio.wait_for(body(tls, client, served), 60)
+            for peer in served:  # the server's side closes too (its socket flushed first)
+                await asyncio.wait_for(peer.lost, 10)
         finally:
             server.close()
             await server.wait_closed()

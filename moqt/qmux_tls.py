@@ -148,6 +148,10 @@ class _Worker:
                     return
         except RuntimeError:  # the loop closed under a connection never closed: nothing to tell
             log.debug("TLS worker %s stopped: its event loop is closed", self.thread.name)
+        except Exception as exc:  # a failure of ours: the connection fails with it, not hangs
+            log.exception("TLS worker %s failed", self.thread.name)
+            with contextlib.suppress(RuntimeError):
+                self._post(_Report(error=exc))
         finally:
             del self._ssl, self._plain
 

@@ -260,7 +260,9 @@ def test_handshake_with_an_untrusted_certificate_is_a_verification_error(
             ssl_context=server_ssl_context(cert, key),
             tls_engine=engine,
         )
-        host, port = server.address  # type: ignore[misc]
+        address = server.address
+        assert isinstance(address, tuple)
+        host, port = address
         try:
             with pytest.raises(ssl.SSLCertVerificationError):
                 async with connect_qmux(
@@ -285,7 +287,7 @@ def test_the_worker_thread_ends_with_a_qmux_connection(certs: tuple[str, str]) -
     transports: list[TLSWorkerTransport] = []
 
     async def handler(connection: MOQTConnection) -> None:
-        transport = connection._protocol._transport  # type: ignore[attr-defined]
+        transport = connection._protocol._transport
         assert isinstance(transport, TLSWorkerTransport)
         transports.append(transport)
         await connection.wait_closed()
@@ -297,7 +299,9 @@ def test_the_worker_thread_ends_with_a_qmux_connection(certs: tuple[str, str]) -
             ssl_context=server_ssl_context(cert, key),
             tls_engine="thread",
         )
-        host, port = server.address  # type: ignore[misc]
+        address = server.address
+        assert isinstance(address, tuple)
+        host, port = address
         try:
             async with connect_qmux(
                 QMuxEndpoint("tls", host, port),
@@ -305,7 +309,7 @@ def test_the_worker_thread_ends_with_a_qmux_connection(certs: tuple[str, str]) -
                 server_hostname="localhost",
                 tls_engine="thread",
             ) as connection:
-                client = connection._protocol._transport  # type: ignore[attr-defined]
+                client = connection._protocol._transport
                 assert isinstance(client, TLSWorkerTransport)
                 transports.append(client)
                 assert client.worker_thread.is_alive()

@@ -75,7 +75,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 Carrier = Literal["tls", "tcp", "unix"]
-TLSEngine = Literal["thread", "asyncio"]
+TLSEngine = Literal["inline", "thread", "asyncio"]
 DEFAULT_TLS_ENGINE: TLSEngine = "asyncio"
 """How a tls carrier processes its records: ``asyncio`` with asyncio's TLS transport on the
 event loop, or ``thread`` on a worker thread beside it (:mod:`moqt.qmux_tls`). asyncio's is the
@@ -520,7 +520,7 @@ async def _open(
         _, protocol = await loop.create_connection(factory, host, port)
         return protocol
     context = ssl_context or client_ssl_context()
-    if engine == "thread":
+    if engine != "asyncio":
         protocol = factory()
         await open_tls_connection(
             protocol,
@@ -529,6 +529,7 @@ async def _open(
             context=context,
             server_hostname=server_hostname or host,
             plain_buffers=ReceiveBuffers(),
+            threaded=engine == "thread",
         )
         return protocol
     _, protocol = await loop.create_connection(
@@ -626,7 +627,7 @@ async def serve_qmux(
             )
         )
 
-    def threaded() -> tuple[QMuxProtocol, ReceiveBuffers]:
+    def tls_protocol() -> tuple[QMuxProtocol, ReceiveBuffers]:
         return factory(), ReceiveBuffers()
 
     def bind(tls: TLSWorkerTransport) -> None:  # before the handshake: the bound can abort it
@@ -645,8 +646,16 @@ async def serve_qmux(
     else:
         if ssl_context is None:
             raise ValueError("a tls endpoint needs ssl_context (server_ssl_context())")
-        if (tls_engine or DEFAULT_TLS_ENGINE) == "thread":
-            server = await serve_tls(threaded, host, port, context=ssl_context, accepted=bind)
+        engine = tls_engine or DEFAULT_TLS_ENGINE
+        if engine != "asyncio":
+            server = await serve_tls(
+                tls_protocol,
+                host,
+                port,
+                context=ssl_context,
+                accepted=bind,
+                threaded=engine == "thread",
+            )
         else:
             server = await loop.create_server(
                 factory, host, port, ssl=ssl_context, ssl_handshake_timeout=setup_timeout

@@ -61,6 +61,11 @@ __all__ = [
     "serve_tls",
 ]
 
+try:
+    from . import _tlsrecords
+except ImportError:  # not built: SSLObject.read, one record a call
+    _tlsrecords = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 READ_CHUNK = 1 << 20  # bytes one socket read may take
 READ_QUEUE = 8  # socket reads waiting for the worker above which the socket is not read
@@ -106,6 +111,8 @@ class _Report:
 
 
 _DATA, _EOF, _WRITE, _CLOSE, _STOP = range(5)
+_NO_DATA = b""
+_NO_ROOM = bytearray()  # a read into nothing: _tlsrecords only feeds the BIO
 
 
 class _Worker:
@@ -120,6 +127,7 @@ class _Worker:
         pool: collections.deque[bytearray],
         post: Callable[[_Report], None],
         name: str,
+        schedule: Callable[[Callable[[], None]], Any] | None = None,
     ) -> None:
         self._ssl = sslobj
         self._in = incoming
@@ -133,7 +141,53 @@ class _Worker:
         self._peer_closed = False
         self._tcp_eof = False
         self._eof_told = False
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._records: Any = None  # the _ssl object, once _tlsrecords reads it in bulk
+        self._schedule = schedule
+        self._inline: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._scheduled = self._stopped = False
+        self.thread = (
+            threading.Thread(target=self._run, name=name, daemon=True) if schedule is None else None
+        )
+
+    def start(self) -> None:
+        """Begin: the thread, or (inline) a first step on the loop (a client's ClientHello)."""
+        if self.thread is not None:
+            self.thread.start()
+        else:
+            self._kick()
+
+    def submit(self, job: tuple[Any, ...]) -> None:
+        """Queue ``job`` for the thread, or (inline) for the loop's next pass."""
+        if self.thread is not None:
+            self.jobs.put(job)
+        else:
+            self._inline.append(job)
+            self._kick()
+
+    def _kick(self) -> None:
+        if not self._scheduled and not self._stopped and self._schedule is not None:
+            self._scheduled = True
+            self._schedule(self._run_inline)
+
+    def _run_inline(self) -> None:
+        """(inline) Run what was queued, and what its reports queue, on the loop thread."""
+        jobs = self._inline
+        try:
+            while not self._stopped:
+                batch = list(jobs)
+                jobs.clear()
+                if self._step(batch):
+                    self._stopped = True
+                    jobs.clear()
+                    del self._ssl, self._plain
+                if not jobs:
+                    break
+        except Exception as exc:  # a failure of ours: the connection fails with it
+            log.exception("TLS records failed")
+            self._stopped = True
+            self._post(_Report(error=exc))
+        finally:
+            self._scheduled = False
 
     def _run(self) -> None:
         try:
@@ -147,9 +201,9 @@ class _Worker:
                 if self._step(jobs):
                     return
         except RuntimeError:  # the loop closed under a connection never closed: nothing to tell
-            log.debug("TLS worker %s stopped: its event loop is closed", self.thread.name)
+            log.debug("TLS worker stopped: its event loop is closed")
         except Exception as exc:  # a failure of ours: the connection fails with it, not hangs
-            log.exception("TLS worker %s failed", self.thread.name)
+            log.exception("TLS worker failed")
             with contextlib.suppress(RuntimeError):
                 self._post(_Report(error=exc))
         finally:
@@ -176,7 +230,10 @@ class _Worker:
             buffer, nbytes = job[1], job[2]
             if not self._failed:
                 with memoryview(buffer) as view:
-                    self._in.write(view[:nbytes])
+                    if self._records is not None:  # the copy into the BIO off the GIL
+                        _tlsrecords.read(self._records, self._in, view[:nbytes], _NO_ROOM)
+                    else:
+                        self._in.write(view[:nbytes])
             if len(self._pool) < _POOL_MAX:
                 self._pool.append(buffer)
             report.reads += 1
@@ -225,6 +282,9 @@ class _Worker:
             self._fail(report, exc)
             return
         self._handshaken = True
+        raw = sslobj._sslobj  # type: ignore[attr-defined]
+        if _tlsrecords is not None and _tlsrecords.bind(raw, self._in, sslobj.version() or ""):
+            self._records = raw
         report.handshake = {
             "peercert": sslobj.getpeercert(),
             "cipher": sslobj.cipher(),
@@ -236,6 +296,8 @@ class _Worker:
     def _decrypt(self, report: _Report) -> _Report:
         """Read what the incoming BIO holds, posting every PLAIN_CHUNK; the report to go on
         with."""
+        if self._records is not None:
+            return self._decrypt_bulk(report)
         sslobj, buffers, post = self._ssl, self._plain, self._post
         view = buffers.get_buffer()
         got = 0
@@ -264,6 +326,29 @@ class _Worker:
         if got:
             report.plain.append(buffers.filled(got))
         return report
+
+    def _decrypt_bulk(self, report: _Report) -> _Report:
+        """:meth:`_decrypt` with :mod:`moqt._tlsrecords`: each call fills a plaintext buffer
+        with every record the BIO completes, the GIL released throughout."""
+        records, incoming, buffers, post = self._records, self._in, self._plain, self._post
+        while True:
+            view = buffers.get_buffer()[:PLAIN_CHUNK]
+            try:
+                count, status = _tlsrecords.read(records, incoming, _NO_DATA, view)
+            except Exception as exc:  # a record that does not decrypt, an alert
+                self._fail(report, exc)
+                return report
+            if count:
+                report.plain.append(buffers.filled(count))
+            if status == _tlsrecords.CLOSED:
+                self._peer_closed = self._eof_told = True
+                report.eof = "close_notify"
+                return report
+            if status == _tlsrecords.NEED:
+                return report
+            self._drain(report)  # the buffer is full: hand it over, a KeyUpdate answer too
+            post(report)
+            report = _Report()
 
     def _encrypt(self, buffers: list[Any], report: _Report) -> None:
         sslobj, out = self._ssl, self._out
@@ -341,6 +426,7 @@ class TLSWorkerTransport(asyncio.Transport):
         *,
         server_side: bool,
         server_hostname: str | None = None,
+        threaded: bool = True,
     ) -> None:
         super().__init__()
         self._loop = loop
@@ -352,7 +438,14 @@ class TLSWorkerTransport(asyncio.Transport):
         )
         self._pool: collections.deque[bytearray] = collections.deque()
         self._worker = _Worker(
-            sslobj, incoming, outgoing, plain_buffers, self._pool, self._post, "qmux-tls"
+            sslobj,
+            incoming,
+            outgoing,
+            plain_buffers,
+            self._pool,
+            self._post if threaded else self._on_report,
+            "qmux-tls",
+            None if threaded else loop.call_soon,
         )
         self.carrier = _Carrier(self)
         self.handshake: asyncio.Future[None] = loop.create_future()
@@ -375,8 +468,9 @@ class TLSWorkerTransport(asyncio.Transport):
         self._wire_full = False
 
     @property
-    def worker_thread(self) -> threading.Thread:
-        """The thread that owns the SSL object (it ends when the socket is lost)."""
+    def worker_thread(self) -> threading.Thread | None:
+        """The thread that owns the SSL object (it ends when the socket is lost); None
+        inline."""
         return self._worker.thread
 
     # --- from the socket ------------------------------------------------------------------
@@ -386,18 +480,18 @@ class TLSWorkerTransport(asyncio.Transport):
         for key in ("peername", "sockname", "socket"):
             self._extra[key] = transport.get_extra_info(key)
         transport.set_write_buffer_limits(self._high, self._low)
-        self._worker.thread.start()
+        self._worker.start()
 
     def _ciphertext(self, buffer: bytearray, nbytes: int) -> None:
         if self._lost:
             return
         self._reads += 1
-        self._worker.jobs.put((_DATA, buffer, nbytes))
+        self._worker.submit((_DATA, buffer, nbytes))
         self._control_reading()
 
     def _tcp_eof(self) -> None:
         self._tcp_eof_seen = True
-        self._worker.jobs.put((_EOF,))
+        self._worker.submit((_EOF,))
 
     def _wire_paused(self, paused: bool) -> None:
         self._wire_full = paused
@@ -405,7 +499,7 @@ class TLSWorkerTransport(asyncio.Transport):
 
     def _carrier_lost(self, exc: Exception | None) -> None:
         self._lost = self._closing = True
-        self._worker.jobs.put((_STOP,))
+        self._worker.submit((_STOP,))
         error = self._error or exc
         if not self.handshake.done():
             self.handshake.set_exception(
@@ -540,7 +634,7 @@ class TLSWorkerTransport(asyncio.Transport):
         if self._sock is None:
             return
         if self._connected and not self._tcp_eof_seen and self._error is None:
-            self._worker.jobs.put((_CLOSE,))
+            self._worker.submit((_CLOSE,))
         else:
             self._sock.close()
 
@@ -601,7 +695,7 @@ class TLSWorkerTransport(asyncio.Transport):
         if not size:
             return
         self._pending += size
-        self._worker.jobs.put((_WRITE, buffers, size))
+        self._worker.submit((_WRITE, buffers, size))
         self._control_writing()
 
     def can_write_eof(self) -> bool:
@@ -631,6 +725,7 @@ async def open_tls_connection(
     server_hostname: str | None,
     plain_buffers: PlainBuffers,
     handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    threaded: bool = True,
 ) -> TLSWorkerTransport:
     """Connect to ``host``:``port``, run the TLS handshake on a worker thread and connect
     ``protocol``; the transport is returned once the handshake is done.
@@ -648,6 +743,7 @@ async def open_tls_connection(
         plain_buffers,
         server_side=False,
         server_hostname=server_hostname or host,
+        threaded=threaded,
     )
     await loop.create_connection(lambda: tls.carrier, host, port)
     try:
@@ -665,6 +761,7 @@ async def serve_tls(
     *,
     context: ssl.SSLContext,
     accepted: Callable[[TLSWorkerTransport], None] | None = None,
+    threaded: bool = True,
 ) -> asyncio.Server:
     """Listen on ``host``:``port``; each connection gets ``factory()``'s protocol behind a
     :class:`TLSWorkerTransport` (``accepted`` sees the transport before its handshake, to
@@ -673,7 +770,9 @@ async def serve_tls(
 
     def carrier() -> _Carrier:
         protocol, buffers = factory()
-        tls = TLSWorkerTransport(loop, protocol, context, buffers, server_side=True)
+        tls = TLSWorkerTransport(
+            loop, protocol, context, buffers, server_side=True, threaded=threaded
+        )
         if accepted is not None:
             accepted(tls)
         return tls.carrier

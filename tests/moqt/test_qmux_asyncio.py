@@ -46,7 +46,7 @@ TRACK = b"block"
 LIVE = b"live"
 OBJECT = 2 << 20
 OBJECTS = [hashlib.sha256(b"object%d" % i).digest() * (OBJECT // 32) for i in range(3)]
-CARRIERS = ["tls", "tls-thread", "tcp", "unix"]  # tls-thread: records on a worker (qmux_tls)
+CARRIERS = ["tls", "tls-thread", "tls-inline", "tcp", "unix"]  # tls-*: moqt.qmux_tls engines
 Client = Callable[[MOQTConnection], Awaitable[None]]
 Handler = Callable[[MOQTConnection], Awaitable[None]]
 
@@ -287,7 +287,7 @@ def test_peer_vanishing_mid_transfer_is_a_session_closed_error(carrier: Carrier)
 # --- refusals -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["asyncio", "thread"])
+@pytest.mark.parametrize("engine", ["asyncio", "thread", "inline"])
 def test_tls_alpn_mismatch_is_refused_on_both_sides(
     certs: tuple[Path, Path], engine: TLSEngine
 ) -> None:

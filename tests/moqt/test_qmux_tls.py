@@ -1,22 +1,26 @@
-"""moqt.qmux_tls: TLS 1.3 with its records on a worker thread, on real sockets (127.0.0.1).
+"""moqt.qmux_tls: TLS 1.3 with its records on a worker thread or inline on the loop, on real
+sockets (127.0.0.1), and moqt._tlsrecords (records decrypted in bulk) on an in-memory pair.
 
 A large transfer both ways under random chunking (with buffers the writer changes right after
 handing them over), the endings (close_notify, TCP EOF without it, garbage after the handshake),
 handshake failures raising what asyncio's TLS transport raises, back-pressure from a reader that
-stops, and the worker thread ending with its connection.
+stops, the worker thread ending with its connection, and the same without the C reader.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from moqt import qmux_tls
 from moqt.asyncio import MOQTConnection
 from moqt.certs import make_self_signed
 from moqt.qmux_asyncio import (
@@ -31,6 +35,12 @@ from moqt.qmux_asyncio import (
 from moqt.qmux_tls import TLSWorkerTransport, open_tls_connection, serve_tls
 
 MiB = 1 << 20
+
+
+@pytest.fixture(params=[True, False], ids=["thread", "inline"])
+def threaded(request: pytest.FixtureRequest) -> bool:
+    """Whether the records run on a worker thread or inline on the event loop."""
+    return bool(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +96,11 @@ class Peer(asyncio.Protocol):
 Body = Callable[[TLSWorkerTransport, Peer, list[Peer]], Awaitable[None]]
 
 
-def run(certs: tuple[str, str], body: Body, **server_peer: bool) -> list[Peer]:
-    """Serve Peer(**server_peer) with TLS on a worker, connect a client Peer, run ``body``."""
+def run(
+    certs: tuple[str, str], body: Body, threaded: bool = True, **server_peer: bool
+) -> list[Peer]:
+    """Serve Peer(**server_peer) with TLS (records on a worker thread or inline), connect a
+    client Peer, run ``body``."""
     cert, key = certs
     served: list[Peer] = []
 
@@ -97,7 +110,9 @@ def run(certs: tuple[str, str], body: Body, **server_peer: bool) -> list[Peer]:
             served.append(peer)
             return peer, ReceiveBuffers()
 
-        server = await serve_tls(factory, "127.0.0.1", 0, context=server_ssl_context(cert, key))
+        server = await serve_tls(
+            factory, "127.0.0.1", 0, context=server_ssl_context(cert, key), threaded=threaded
+        )
         port = server.sockets[0].getsockname()[1]
         try:
             client = Peer()
@@ -108,6 +123,7 @@ def run(certs: tuple[str, str], body: Body, **server_peer: bool) -> list[Peer]:
                 context=client_ssl_context(cafile=cert),
                 server_hostname="localhost",
                 plain_buffers=ReceiveBuffers(),
+                threaded=threaded,
             )
             await asyncio.wait_for(body(tls, client, served), 60)
             for peer in served:  # the server's side closes too (its socket flushed first)
@@ -121,13 +137,21 @@ def run(certs: tuple[str, str], body: Body, **server_peer: bool) -> list[Peer]:
 
 
 async def ended(thread_owner: TLSWorkerTransport) -> None:
-    """Wait until the transport's worker thread has ended."""
+    """Wait until the transport's worker thread has ended (inline: its records stopped)."""
     thread = thread_owner.worker_thread
+    if thread is None:
+        for _ in range(1000):
+            if thread_owner._worker._stopped:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the inline records never stopped")
     await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)
     assert not thread.is_alive()
 
 
-def test_large_transfer_both_ways_under_random_chunking(certs: tuple[str, str]) -> None:
+def test_large_transfer_both_ways_under_random_chunking(
+    certs: tuple[str, str], threaded: bool
+) -> None:
     rng = random.Random(20)
     data = rng.randbytes(24 * MiB)
 
@@ -159,11 +183,11 @@ def test_large_transfer_both_ways_under_random_chunking(certs: tuple[str, str]) 
         assert await client.lost is None
         await ended(tls)
 
-    served = run(certs, body, echo=True)
+    served = run(certs, body, threaded, echo=True)
     assert hashlib.sha256(served[0].received).digest() == hashlib.sha256(data).digest()
 
 
-def test_close_notify_ends_both_sides_cleanly(certs: tuple[str, str]) -> None:
+def test_close_notify_ends_both_sides_cleanly(certs: tuple[str, str], threaded: bool) -> None:
     async def body(tls: TLSWorkerTransport, client: Peer, served: list[Peer]) -> None:
         tls.write(b"last words")
         tls.close()
@@ -173,10 +197,10 @@ def test_close_notify_ends_both_sides_cleanly(certs: tuple[str, str]) -> None:
         assert bytes(served[0].received) == b"last words"
         await ended(tls)
 
-    run(certs, body)
+    run(certs, body, threaded)
 
 
-def test_abrupt_eof_without_close_notify_is_an_eof(certs: tuple[str, str]) -> None:
+def test_abrupt_eof_without_close_notify_is_an_eof(certs: tuple[str, str], threaded: bool) -> None:
     async def body(tls: TLSWorkerTransport, client: Peer, served: list[Peer]) -> None:
         tls.write(b"x" * 100_000)
         while len(served) < 1 or len(served[0].received) < 100_000:
@@ -188,10 +212,12 @@ def test_abrupt_eof_without_close_notify_is_an_eof(certs: tuple[str, str]) -> No
         assert served[0].events == ["made", "eof", "lost"]
         await ended(tls)
 
-    run(certs, body)
+    run(certs, body, threaded)
 
 
-def test_garbage_after_the_handshake_fails_with_an_ssl_error(certs: tuple[str, str]) -> None:
+def test_garbage_after_the_handshake_fails_with_an_ssl_error(
+    certs: tuple[str, str], threaded: bool
+) -> None:
     async def body(tls: TLSWorkerTransport, client: Peer, served: list[Peer]) -> None:
         while not served or "made" not in served[0].events:
             await asyncio.sleep(0.01)
@@ -203,10 +229,10 @@ def test_garbage_after_the_handshake_fails_with_an_ssl_error(certs: tuple[str, s
         await client.lost  # the client sees its connection end too
         await ended(tls)
 
-    run(certs, body)
+    run(certs, body, threaded)
 
 
-def test_a_stalled_reader_bounds_the_writer(certs: tuple[str, str]) -> None:
+def test_a_stalled_reader_bounds_the_writer(certs: tuple[str, str], threaded: bool) -> None:
     chunk = bytes(MiB)
     total = 256 * MiB
 
@@ -239,10 +265,10 @@ def test_a_stalled_reader_bounds_the_writer(certs: tuple[str, str]) -> None:
         tls.close()
         await client.lost
 
-    run(certs, body, paused=True)
+    run(certs, body, threaded, paused=True)
 
 
-@pytest.mark.parametrize("engine", ["asyncio", "thread"])
+@pytest.mark.parametrize("engine", ["asyncio", "thread", "inline"])
 def test_handshake_with_an_untrusted_certificate_is_a_verification_error(
     certs: tuple[str, str], tmp_path: Path, engine: TLSEngine
 ) -> None:
@@ -312,7 +338,8 @@ def test_the_worker_thread_ends_with_a_qmux_connection(certs: tuple[str, str]) -
                 client = connection._protocol._transport
                 assert isinstance(client, TLSWorkerTransport)
                 transports.append(client)
-                assert client.worker_thread.is_alive()
+                thread = client.worker_thread
+                assert thread is not None and thread.is_alive()
             for transport in transports:
                 await ended(transport)
         finally:
@@ -321,3 +348,130 @@ def test_the_worker_thread_ends_with_a_qmux_connection(certs: tuple[str, str]) -
 
     asyncio.run(main())
     assert len(transports) == 2
+
+
+def test_the_inline_records_work_without_the_c_reader(
+    certs: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where moqt._tlsrecords is not built, SSLObject.read does the records, one a call."""
+    monkeypatch.setattr(qmux_tls, "_tlsrecords", None)
+    data = random.Random(7).randbytes(3 * MiB + 5)
+
+    async def body(tls: TLSWorkerTransport, client: Peer, served: list[Peer]) -> None:
+        assert tls._worker._records is None
+        tls.write(data)
+        while len(client.received) < len(data):
+            await asyncio.sleep(0.01)
+        tls.close()
+        await client.lost
+
+    run(certs, body, False, echo=True)
+
+
+# --- moqt._tlsrecords on an in-memory pair ----------------------------------------------------
+
+
+class Pair:
+    """A TLS 1.3 client and server over memory BIOs, handshake done."""
+
+    def __init__(self, certs: tuple[str, str]) -> None:
+        cert, key = certs
+        self.server_in, self.server_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.client_in, self.client_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.server = server_ssl_context(cert, key).wrap_bio(
+            self.server_in, self.server_out, server_side=True
+        )
+        self.client = client_ssl_context(cafile=cert).wrap_bio(
+            self.client_in, self.client_out, server_hostname="localhost"
+        )
+        for _ in range(4):
+            for side in (self.client, self.server):
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    side.do_handshake()
+            self.server_in.write(self.client_out.read())
+            self.client_in.write(self.server_out.read())
+        assert self.client.version() == "TLSv1.3"
+
+    def sealed(self, data: bytes) -> bytes:
+        """``data`` as the server's records, with any tickets it had queued before."""
+        self.server.write(data)
+        return self.server_out.read()
+
+
+@pytest.fixture
+def records() -> Any:
+    return pytest.importorskip("moqt._tlsrecords", reason="moqt._tlsrecords is not built")
+
+
+def test_bind_accepts_the_object_and_refuses_another_bio(
+    certs: tuple[str, str], records: Any
+) -> None:
+    pair = Pair(certs)
+    raw = pair.client._sslobj  # type: ignore[attr-defined]
+    assert records.bind(raw, pair.client_in, pair.client.version())
+    assert not records.bind(raw, pair.server_in, pair.client.version())  # not its BIO
+    assert not records.bind(raw, pair.client_in, "TLSv1.2")  # not what _ssl reports
+    with pytest.raises(TypeError):
+        records.bind(pair.client, pair.client_in, "TLSv1.3")  # the Python wrapper
+    with pytest.raises(TypeError):
+        records.bind(raw, b"not a bio", "TLSv1.3")
+
+
+def test_bulk_reads_match_the_stream_under_any_chunking(
+    certs: tuple[str, str], records: Any
+) -> None:
+    pair = Pair(certs)
+    raw = pair.client._sslobj  # type: ignore[attr-defined]
+    assert records.bind(raw, pair.client_in, "TLSv1.3")
+    rng = random.Random(3)
+    data = rng.randbytes(MiB + 12345)
+    wire = pair.sealed(data)
+    out = bytearray(len(data) + 10)
+    view = memoryview(out)
+    got, at = 0, 0
+    statuses = set()
+    while at < len(wire):
+        size = rng.choice((1, 5, 100, 16389, 70000))
+        piece = wire[at : at + size]
+        at += len(piece)
+        room = rng.choice((0, 1, 3000, 1 << 20))
+        count, status = records.read(raw, pair.client_in, piece, view[got : got + room])
+        got += count
+        statuses.add(status)
+        while status == records.MORE and room:  # the room was filled: read on
+            count, status = records.read(raw, pair.client_in, b"", view[got : got + room])
+            got += count
+    count, status = records.read(raw, pair.client_in, b"", view[got:])
+    got += count
+    assert status == records.NEED
+    assert bytes(out[:got]) == data
+    assert {records.MORE, records.NEED} <= statuses
+
+
+def test_bulk_read_reports_close_notify(certs: tuple[str, str], records: Any) -> None:
+    pair = Pair(certs)
+    raw = pair.client._sslobj  # type: ignore[attr-defined]
+    assert records.bind(raw, pair.client_in, "TLSv1.3")
+    wire = pair.sealed(b"bye")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        pair.server.unwrap()
+    wire += pair.server_out.read()
+    out = bytearray(64)
+    assert records.read(raw, pair.client_in, wire, out) == (3, records.CLOSED)
+    assert bytes(out[:3]) == b"bye"
+
+
+def test_bulk_read_of_a_tampered_record_is_an_ssl_error(
+    certs: tuple[str, str], records: Any
+) -> None:
+    pair = Pair(certs)
+    raw = pair.client._sslobj  # type: ignore[attr-defined]
+    assert records.bind(raw, pair.client_in, "TLSv1.3")
+    wire = bytearray(pair.sealed(b"x" * 40000))
+    wire[-20] ^= 1  # inside the last record's ciphertext or tag
+    out = bytearray(65536)
+    with pytest.raises(ssl.SSLError) as caught:
+        records.read(raw, pair.client_in, bytes(wire), out)
+    assert "decrypt" in str(caught.value).lower() or "mac" in str(caught.value).lower()
+    with pytest.raises(TypeError):
+        records.read(raw, pair.client_in, b"", b"read-only out")

@@ -1,19 +1,26 @@
-"""TLS 1.3 for QMux with the record work on a worker thread (draft-ietf-quic-qmux-01 §3.1).
+"""TLS 1.3 for QMux on our own record pump (draft-ietf-quic-qmux-01 §3.1, RFC 8446 §5).
 
-asyncio's TLS transport decrypts and encrypts every record on the event-loop thread, the thread
-that also parses QMux frames, runs the MOQT session and hashes what arrives (§6.7), so on a
-fast carrier the loop spends as long on the records as on the protocol. Here a plain socket
-transport carries the ciphertext and one worker thread per connection owns the
-:class:`ssl.SSLObject` and its two :class:`ssl.MemoryBIO` s: it runs the handshake, decrypts
-what the loop hands it and encrypts what the protocol writes. ``_ssl`` releases the GIL while
-OpenSSL works on a record, so the worker decrypts the next chunk while the loop parses the last
-one. The object is touched by that thread only (an SSL object is not safe to share between
-threads); the loop and the worker exchange whole chunks:
+A plain socket transport carries the ciphertext; an :class:`ssl.SSLObject` over two
+:class:`ssl.MemoryBIO` s does the handshake and the records, owned by one "worker" (a SSL
+object is not safe to share between threads), in one of two places:
+
+* ``threaded``: a worker thread per connection, so the records overlap with the loop that
+  parses QMux frames, runs the MOQT session and hashes what arrives (§6.7);
+* inline: the same steps run on the event loop, one pass after the socket read that fed them.
+
+Decryption goes through :mod:`moqt._tlsrecords` where it is built: one C call feeds a socket
+read to the incoming BIO and reads every record that completes into the plaintext buffer, with
+the GIL released throughout. ``SSLObject.read`` yields one record (16 KiB at most) per call and
+takes the GIL back after each, which on a worker thread beside a busy loop means waiting for the
+loop; inline it means a Python round per record. Where the module is missing, or refuses the
+object (it checks the SSL pointer it reads against what ``_ssl`` reports), ``SSLObject.read``
+does it. The exchange between the loop and the worker is in whole chunks:
 
 * in: each socket read (up to :data:`READ_CHUNK`) goes to the worker, which feeds the incoming
   BIO and reads plaintext into :class:`~moqt.qmux_asyncio.ReceiveBuffers` of its own, handing
-  the loop read-only slices of at least :data:`PLAIN_CHUNK` (fewer at the end of what it had);
-  the socket stops being read while :data:`READ_QUEUE` reads wait for the worker;
+  the loop read-only slices of at most :data:`PLAIN_CHUNK` (so the loop starts on a large read
+  before all of it is decrypted); the socket stops being read while :data:`READ_QUEUE` reads
+  wait for the worker;
 * out: :meth:`TLSWorkerTransport.writelines` hands the worker the buffers (copied unless they
   are immutable ``bytes``: asyncio's contract lets a caller reuse a buffer once the write call
   returns), the worker encrypts them in order and the loop writes the ciphertext to the
@@ -29,14 +36,8 @@ the handshake as :class:`ConnectionResetError`. :meth:`~TLSWorkerTransport.close
 close_notify after what was written and then closes the socket without waiting for the peer's
 (RFC 8446 §6.1 allows it). Protocols get plaintext through ``data_received`` (a
 :class:`asyncio.BufferedProtocol` must accept it there too, as
-:class:`~moqt.qmux_asyncio.QMuxProtocol` does). The worker thread ends when the socket is lost.
-
-The overlap is bounded by the GIL: ``SSLObject.read`` decrypts one record (at most 16 KiB of
-plaintext) per call, so the worker takes the GIL back once a record, and while the loop runs
-Python it waits for the loop to block or for the switch interval to pass. Encryption does not
-have that cost (one ``write`` encrypts a whole buffer). This is why
-:data:`~moqt.qmux_asyncio.DEFAULT_TLS_ENGINE` stays asyncio's transport; this one is chosen
-with ``tls_engine="thread"``.
+:class:`~moqt.qmux_asyncio.QMuxProtocol` does). The worker ends when the socket is lost.
+:data:`~moqt.qmux_asyncio.DEFAULT_TLS_ENGINE` says which one QMux uses.
 """
 
 from __future__ import annotations
@@ -533,7 +534,8 @@ class TLSWorkerTransport(asyncio.Transport):
             self._reads -= report.reads
             self._control_reading()
         if report.wire and not sock.is_closing():
-            sock.writelines(report.wire)
+            for wire in report.wire:  # one at a time: 3.11's writelines joins them (a copy)
+                sock.write(wire)
         if report.written:
             self._pending -= report.written
             self._control_writing()

@@ -29,14 +29,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvsp import ids
-from kvsp.container import DIGEST_SIZE, Geometry, Layer
+from kvsp import ids, sha256x2
+from kvsp.container import DIGEST_SIZE, Geometry, Layer, layer_digest
 from kvsp.container_reader import LayerSink
 from kvsp.errors import ContainerError, InvalidIdentifier, RecordError
 from kvsp.fields import type_name
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from moqt.errors import KeyValueFormattingError
-from moqt.objects import encode_immutable_extensions, immutable_extensions
+from moqt.objects import ObjectRun, encode_immutable_extensions, immutable_extensions
 from moqt.wire import Bytes, KeyValuePair, Location, TrackNamespace
 
 KV_TAG = b"kvsp"
@@ -429,7 +429,8 @@ class LayerAssembler:
 
     def layers(self) -> tuple[Layer, ...]:
         """The layers assembled so far, ascending."""
-        return tuple(self._layers[index] for index in sorted(self._layers))
+        layers = self._layers
+        return tuple([layers[index] for index in sorted(layers)])
 
     def span(self, first: int, last: int) -> memoryview | None:
         """The payload octets of layers ``first..last`` (ended ones, absolute indices) as one
@@ -464,6 +465,17 @@ class LayerAssembler:
         Raises:
             ContainerError: see the class.
         """
+        k, v = self._place(group_id, object_id, payload_length)
+        self._current = (object_id, k, v)
+        if self.hashing:
+            self._hash = hashlib.sha256()
+        self._filled = 0
+
+    def _place(
+        self, group_id: int, object_id: int, payload_length: int
+    ) -> tuple[memoryview, memoryview]:
+        """Where the K and V sections of layer ``object_id`` go, once it is found to be a new
+        layer of the range with the block's payload length."""
         if self._current is not None:
             raise ContainerError(f"object {object_id} begins inside layer {self._current[0]}")
         if group_id != KV_GROUP or not self.first <= object_id <= self.last:
@@ -481,19 +493,14 @@ class LayerAssembler:
             )
         section = payload_length // 2
         if self._sink is not None:
-            k, v = self._sink.layer_buffer(object_id, section, section)
-        else:
-            if self._buffer is None:
-                size = self.count * payload_length
-                allocate = self._allocate
-                self._buffer = memoryview(bytearray(size)) if allocate is None else allocate(size)
-            start = (object_id - self.first) * payload_length
-            k = self._buffer[start : start + section]
-            v = self._buffer[start + section : start + payload_length]
-        self._current = (object_id, k, v)
-        if self.hashing:
-            self._hash = hashlib.sha256()
-        self._filled = 0
+            return self._sink.layer_buffer(object_id, section, section)
+        if self._buffer is None:
+            size = self.count * payload_length
+            allocate = self._allocate
+            self._buffer = memoryview(bytearray(size)) if allocate is None else allocate(size)
+        start = (object_id - self.first) * payload_length
+        buffer = self._buffer
+        return buffer[start : start + section], buffer[start + section : start + payload_length]
 
     def feed(self, data: memoryview) -> None:
         """The next piece of the current object's payload.
@@ -523,6 +530,35 @@ class LayerAssembler:
         if taken < size:
             start = offset + taken - section
             v[start : start + size - taken] = data[taken:]
+
+    def land(self, run: ObjectRun, landed: list[Layer]) -> None:
+        """The whole objects of ``run`` (each header came with all of its payload), each
+        placed and copied as :meth:`begin`, :meth:`feed` and :meth:`end` would, its layer
+        appended to ``landed``; not hashed (see :meth:`digests`).
+
+        Raises:
+            ContainerError: as :meth:`begin`, for the first object that is not a layer of the
+                range (the layers before it are landed).
+        """
+        data, place, layers = run.data, self._place, self._layers
+        for group_id, _, object_id, _, _, start, length in run.objects:
+            k, v = place(group_id, object_id, length)
+            section = len(k)
+            k[:] = data[start : start + section]
+            v[:] = data[start + section : start + length]
+            layer = layers[object_id] = Layer(object_id, k, v)
+            landed.append(layer)
+
+    def digests(self, layers: Sequence[Layer]) -> list[bytes]:
+        """The layer digests (§4.3) of ``layers``, landed ones: consecutive layers in the block
+        buffer hashed in one native call (:mod:`kvsp.sha256x2`, two layers at a time),
+        others one by one."""
+        first = layers[0].index if layers else 0
+        span = self.span(first, first + len(layers) - 1) if layers else None
+        ascending = [layer.index for layer in layers] == list(range(first, first + len(layers)))
+        if span is None or not ascending or not sha256x2.ACCELERATED:
+            return [layer_digest(layer.k, layer.v) for layer in layers]
+        return sha256x2.digests(span, len(span) // len(layers))
 
     def end(self) -> tuple[Layer, bytes | None]:
         """The current object is complete: its layer and layer digest (None when not

@@ -15,8 +15,15 @@
  *
  *   fetch_object(data, pos, prior) -> (end, group, subgroup, object, priority, extensions,
  *                                      payload_length) | None
+ *   fetch_objects(data, pos, prior) -> (end, [(group, subgroup, object, priority,
+ *                                              extensions, payload_start, payload_length)...],
+ *                                        payload_octets) | None
  *   subgroup_object(data, pos, has_extensions, last) -> (end, object, extensions,
  *                                                        payload_length) | None
+ *
+ * fetch_objects reads a run of whole objects, headers and payloads, that a piece of a FETCH
+ * stream holds, so a block of small layers costs one call per piece, not one per object; it
+ * takes an object only where fetch_object would, and one whose payload is wholly in the buffer.
  *
  * ``prior`` and ``last`` are the parser's record of the previous object (attributes group_id,
  * subgroup_id, object_id, publisher_priority) or None; ``extensions`` is a tuple of
@@ -235,9 +242,130 @@ static int prior_int(PyObject *prior, PyObject *name, uint64_t *out, PyObject **
     return TAKEN;
 }
 
+/* What a FETCH object may inherit from the one before it (§10.4.4.1), as C values: a field the
+ * prior lacks (None, no prior at all, or not a C-sized int) is not ``has_``. */
+struct prior {
+    int has_group, has_subgroup, has_object, has_priority;
+    uint64_t group, subgroup, object, priority;
+};
+
+static int prior_field(PyObject *prior, PyObject *name, int *has, uint64_t *out) {
+    *has = 0;
+    if (prior == Py_None) {
+        return 0;
+    }
+    int status = prior_int(prior, name, out, NULL);
+    if (status == FAILED) {
+        return -1;
+    }
+    *has = status == TAKEN;
+    return 0;
+}
+
+static int read_prior(PyObject *prior, struct prior *out) {
+    if (prior_field(prior, str_group_id, &out->has_group, &out->group) < 0 ||
+        prior_field(prior, str_subgroup_id, &out->has_subgroup, &out->subgroup) < 0 ||
+        prior_field(prior, str_object_id, &out->has_object, &out->object) < 0 ||
+        prior_field(prior, str_publisher_priority, &out->has_priority, &out->priority) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+/* One FETCH object header (§10.4.4, Figure 31) at p[*pos], its fields as C values. */
+struct fetch_header {
+    uint64_t group, subgroup, object, priority, length;
+    int datagram;          /* no Subgroup ID (Datagram forwarding preference) */
+    PyObject *extensions;  /* a new reference, once TAKEN */
+};
+
+static int read_fetch_header(const uint8_t *p, Py_ssize_t end, Py_ssize_t *pos,
+                             const struct prior *prior, struct fetch_header *out) {
+    uint64_t flags;
+    Py_ssize_t at = *pos;
+    if (!read_varint(p, end, &at, &flags) || flags >= 128) {
+        return DECLINED; /* End of Range markers and invalid flags: Python's */
+    }
+    /* Group ID */
+    if (flags & FETCH_GROUP_ID) {
+        if (!read_varint(p, end, &at, &out->group)) {
+            return DECLINED;
+        }
+    } else if (prior->has_group) {
+        out->group = prior->group;
+    } else {
+        return DECLINED;
+    }
+    /* Subgroup ID */
+    out->datagram = (flags & FETCH_DATAGRAM) != 0;
+    out->subgroup = 0;
+    if (!out->datagram) {
+        int mode = (int)(flags & FETCH_SUBGROUP_MASK);
+        if (mode == FETCH_SUBGROUP_PRESENT) {
+            if (!read_varint(p, end, &at, &out->subgroup)) {
+                return DECLINED;
+            }
+        } else if (mode == FETCH_SUBGROUP_PRIOR || mode == FETCH_SUBGROUP_NEXT) {
+            if (!prior->has_subgroup) {
+                return DECLINED;
+            }
+            out->subgroup = prior->subgroup + (mode == FETCH_SUBGROUP_NEXT);
+        }
+    }
+    /* Object ID */
+    if (flags & FETCH_OBJECT_ID) {
+        if (!read_varint(p, end, &at, &out->object)) {
+            return DECLINED;
+        }
+    } else {
+        if (!prior->has_object || prior->object + 1 > VARINT_MAX) {
+            return DECLINED;
+        }
+        out->object = prior->object + 1;
+    }
+    /* Publisher Priority */
+    if (flags & FETCH_PRIORITY) {
+        if (at >= end) {
+            return DECLINED;
+        }
+        out->priority = p[at++];
+    } else if (prior->has_priority) {
+        out->priority = prior->priority;
+    } else {
+        return DECLINED;
+    }
+    /* Extensions */
+    PyObject *extensions = NULL;
+    if (flags & FETCH_EXTENSIONS) {
+        int status = read_extensions(p, end, &at, &extensions);
+        if (status != TAKEN) {
+            return status;
+        }
+    }
+    /* Object Payload Length */
+    if (!read_varint(p, end, &at, &out->length)) {
+        Py_XDECREF(extensions);
+        return DECLINED;
+    }
+    if (extensions == NULL && !(extensions = PyTuple_New(0))) {
+        return FAILED;
+    }
+    out->extensions = extensions;
+    *pos = at;
+    return TAKEN;
+}
+
+static PyObject *subgroup_value(const struct fetch_header *header) {
+    return header->datagram ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(header->subgroup);
+}
+
 static PyObject *fetch_object(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "fetch_object(data, pos, prior)");
+        return NULL;
+    }
+    struct prior prior;
+    if (read_prior(args[2], &prior) < 0) {
         return NULL;
     }
     Py_buffer view;
@@ -245,137 +373,102 @@ static PyObject *fetch_object(PyObject *module, PyObject *const *args, Py_ssize_
     if (buffer_and_pos(args[0], args[1], &view, &pos) < 0) {
         return NULL;
     }
-    PyObject *prior = args[2];
-    const uint8_t *p = (const uint8_t *)view.buf;
-    Py_ssize_t end = view.len;
-    PyObject *group = NULL, *subgroup = NULL, *object = NULL, *priority = NULL;
-    PyObject *extensions = NULL, *result = NULL;
-    int status = DECLINED;
-    uint64_t flags, value, number;
-
-    if (!read_varint(p, end, &pos, &flags) || flags >= 128) {
-        goto done; /* End of Range markers and invalid flags: Python's */
-    }
-    /* Group ID */
-    if (flags & FETCH_GROUP_ID) {
-        if (!read_varint(p, end, &pos, &value) || !(group = PyLong_FromUnsignedLongLong(value))) {
-            goto error_or_short;
-        }
-    } else if (prior == Py_None) {
-        goto done;
-    } else if ((status = prior_int(prior, str_group_id, &number, &group)) != TAKEN) {
-        goto done;
-    }
-    /* Subgroup ID */
-    if (flags & FETCH_DATAGRAM) {
-        subgroup = Py_NewRef(Py_None);
-    } else {
-        int mode = (int)(flags & FETCH_SUBGROUP_MASK);
-        if (mode == FETCH_SUBGROUP_PRESENT) {
-            if (!read_varint(p, end, &pos, &value) ||
-                !(subgroup = PyLong_FromUnsignedLongLong(value))) {
-                goto error_or_short;
-            }
-        } else if (mode == FETCH_SUBGROUP_PRIOR || mode == FETCH_SUBGROUP_NEXT) {
-            if (prior == Py_None) {
-                status = DECLINED;
-                goto done;
-            }
-            if ((status = prior_int(prior, str_subgroup_id, &number, NULL)) != TAKEN) {
-                goto done;
-            }
-            subgroup = PyLong_FromUnsignedLongLong(number + (mode == FETCH_SUBGROUP_NEXT));
-            if (subgroup == NULL) {
-                status = FAILED;
-                goto done;
-            }
-        } else {
-            subgroup = PyLong_FromLong(0);
-            if (subgroup == NULL) {
-                status = FAILED;
-                goto done;
-            }
-        }
-    }
-    /* Object ID */
-    if (flags & FETCH_OBJECT_ID) {
-        if (!read_varint(p, end, &pos, &value) || !(object = PyLong_FromUnsignedLongLong(value))) {
-            goto error_or_short;
-        }
-    } else {
-        if (prior == Py_None) {
-            status = DECLINED;
-            goto done;
-        }
-        if ((status = prior_int(prior, str_object_id, &number, NULL)) != TAKEN) {
-            goto done;
-        }
-        if (number + 1 > VARINT_MAX) {
-            status = DECLINED;
-            goto done;
-        }
-        if (!(object = PyLong_FromUnsignedLongLong(number + 1))) {
-            status = FAILED;
-            goto done;
-        }
-    }
-    /* Publisher Priority */
-    if (flags & FETCH_PRIORITY) {
-        if (pos >= end) {
-            status = DECLINED;
-            goto done;
-        }
-        if (!(priority = PyLong_FromLong(p[pos++]))) {
-            status = FAILED;
-            goto done;
-        }
-    } else {
-        if (prior == Py_None) {
-            status = DECLINED;
-            goto done;
-        }
-        if ((status = prior_int(prior, str_publisher_priority, &number, &priority)) != TAKEN) {
-            goto done;
-        }
-    }
-    /* Extensions */
-    if (flags & FETCH_EXTENSIONS) {
-        if ((status = read_extensions(p, end, &pos, &extensions)) != TAKEN) {
-            goto done;
-        }
-    } else {
-        extensions = PyTuple_New(0);
-        if (extensions == NULL) {
-            status = FAILED;
-            goto done;
-        }
-    }
-    /* Object Payload Length */
-    if (!read_varint(p, end, &pos, &value)) {
-        status = DECLINED;
-        goto done;
-    }
-    result = Py_BuildValue("(nOOOOOK)", pos, group, subgroup, object, priority, extensions,
-                           (unsigned long long)value);
-    status = result == NULL ? FAILED : TAKEN;
-    goto done;
-error_or_short:
-    status = PyErr_Occurred() ? FAILED : DECLINED;
-done:
-    Py_XDECREF(group);
-    Py_XDECREF(subgroup);
-    Py_XDECREF(object);
-    Py_XDECREF(priority);
-    Py_XDECREF(extensions);
+    struct fetch_header header;
+    int status = read_fetch_header((const uint8_t *)view.buf, view.len, &pos, &prior, &header);
     PyBuffer_Release(&view);
     if (status == FAILED) {
-        Py_XDECREF(result);
         return NULL;
     }
     if (status == DECLINED) {
         Py_RETURN_NONE;
     }
+    PyObject *subgroup = subgroup_value(&header);
+    PyObject *result = subgroup == NULL ? NULL
+                                        : Py_BuildValue("(nKOKKOK)", pos,
+                                                        (unsigned long long)header.group, subgroup,
+                                                        (unsigned long long)header.object,
+                                                        (unsigned long long)header.priority,
+                                                        header.extensions,
+                                                        (unsigned long long)header.length);
+    Py_XDECREF(subgroup);
+    Py_DECREF(header.extensions);
     return result;
+}
+
+/* The whole FETCH objects (header and all of the payload) at data[pos:], one after another,
+ * each inheriting from the one before as §10.4.4.1 says; it stops before the first object that
+ * is not whole in the buffer or that fetch_object would decline. */
+static PyObject *fetch_objects(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "fetch_objects(data, pos, prior)");
+        return NULL;
+    }
+    struct prior prior;
+    if (read_prior(args[2], &prior) < 0) {
+        return NULL;
+    }
+    Py_buffer view;
+    Py_ssize_t pos;
+    if (buffer_and_pos(args[0], args[1], &view, &pos) < 0) {
+        return NULL;
+    }
+    const uint8_t *p = (const uint8_t *)view.buf;
+    Py_ssize_t end = view.len;
+    unsigned long long octets = 0;
+    PyObject *objects = PyList_New(0);
+    if (objects == NULL) {
+        goto failed;
+    }
+    while (pos < end) {
+        struct fetch_header header;
+        Py_ssize_t at = pos;
+        int status = read_fetch_header(p, end, &at, &prior, &header);
+        if (status == FAILED) {
+            goto failed;
+        }
+        if (status == DECLINED) {
+            break;
+        }
+        if (header.length > (uint64_t)(end - at)) {
+            Py_DECREF(header.extensions);
+            break; /* its payload goes on past this buffer: the parser's */
+        }
+        PyObject *subgroup = subgroup_value(&header);
+        PyObject *item = subgroup == NULL ? NULL
+                                          : Py_BuildValue("(KOKKOnn)",
+                                                          (unsigned long long)header.group,
+                                                          subgroup,
+                                                          (unsigned long long)header.object,
+                                                          (unsigned long long)header.priority,
+                                                          header.extensions, at,
+                                                          (Py_ssize_t)header.length);
+        Py_XDECREF(subgroup);
+        Py_DECREF(header.extensions);
+        if (item == NULL || PyList_Append(objects, item) < 0) {
+            Py_XDECREF(item);
+            goto failed;
+        }
+        Py_DECREF(item);
+        pos = at + (Py_ssize_t)header.length;
+        octets += header.length;
+        prior.has_group = prior.has_object = prior.has_priority = 1;
+        prior.group = header.group;
+        prior.object = header.object;
+        prior.priority = header.priority;
+        prior.has_subgroup = !header.datagram;
+        prior.subgroup = header.subgroup;
+    }
+    PyBuffer_Release(&view);
+    if (PyList_GET_SIZE(objects) == 0) {
+        Py_DECREF(objects);
+        Py_RETURN_NONE;
+    }
+    PyObject *result = Py_BuildValue("(nNK)", pos, objects, octets);
+    return result;
+failed:
+    Py_XDECREF(objects);
+    PyBuffer_Release(&view);
+    return NULL;
 }
 
 static PyObject *subgroup_object(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -444,6 +537,8 @@ done:
 static PyMethodDef methods[] = {
     {"fetch_object", (PyCFunction)(void (*)(void))fetch_object, METH_FASTCALL,
      "fetch_object(data, pos, prior): a whole, valid FETCH stream object header, or None."},
+    {"fetch_objects", (PyCFunction)(void (*)(void))fetch_objects, METH_FASTCALL,
+     "fetch_objects(data, pos, prior): the whole, valid FETCH stream objects at pos, or None."},
     {"subgroup_object", (PyCFunction)(void (*)(void))subgroup_object, METH_FASTCALL,
      "subgroup_object(data, pos, has_extensions, last): a whole, valid subgroup object header "
      "with a payload, or None."},

@@ -19,6 +19,12 @@ class _Prior(Protocol):
 def fetch_object(
     data: Buffer, pos: int, prior: _Prior | None, /
 ) -> tuple[int, int, int | None, int, int, tuple[KeyValuePair, ...], int] | None: ...
+
+_RunObject = tuple[int, int | None, int, int, tuple[KeyValuePair, ...], int, int]
+
+def fetch_objects(
+    data: Buffer, pos: int, prior: _Prior | None, /
+) -> tuple[int, list[_RunObject], int] | None: ...
 def subgroup_object(
     data: Buffer, pos: int, has_extensions: bool, last: _Prior | None, /
 ) -> tuple[int, int, tuple[KeyValuePair, ...], int] | None: ...

@@ -70,6 +70,7 @@ from .transport import (
     WRITE_CHUNK,
     MalformedTrackError,
     ObjectEndSink,
+    ObjectRunSink,
     ObjectSender,
     Payload,
     PayloadSink,
@@ -94,6 +95,7 @@ __all__ = [
     "MOQTConnection",
     "MOQTServer",
     "ObjectEndSink",
+    "ObjectRunSink",
     "Payload",
     "PayloadSink",
     "Publication",
@@ -347,6 +349,7 @@ class MOQTConnection(ObjectSender):
         sink: PayloadSink | None,
         on_cancel: Callable[[int], None] | None = None,
         object_end: ObjectEndSink | None = None,
+        runs: ObjectRunSink | None = None,
     ) -> tuple[int, MOQTEvent, TrackReader]:
         """A request whose objects arrive on a reader made (with its sink) before it is sent."""
         readers: list[TrackReader] = []
@@ -355,7 +358,7 @@ class MOQTConnection(ObjectSender):
             request_id = send()
             reader = self.track(request_id)
             if sink is not None:
-                reader.set_payload_sink(sink, object_end=object_end)
+                reader.set_payload_sink(sink, object_end=object_end, runs=runs)
             readers.append(reader)
             return request_id
 
@@ -396,9 +399,10 @@ class MOQTConnection(ObjectSender):
         parameters: MessageParameters | None = None,
         payload_sink: PayloadSink | None = None,
         object_end: ObjectEndSink | None = None,
+        runs: ObjectRunSink | None = None,
     ) -> FetchResponse:
         """Standalone FETCH of ``start`` up to ``end`` (the last Location plus one);
-        ``payload_sink`` and ``object_end`` see :meth:`TrackReader.set_payload_sink`.
+        ``payload_sink``, ``object_end`` and ``runs`` see :meth:`TrackReader.set_payload_sink`.
 
         Raises:
             RequestRejected: REQUEST_ERROR. SessionClosedError: the session ended.
@@ -409,6 +413,7 @@ class MOQTConnection(ObjectSender):
             payload_sink,
             self.fetch_cancel,
             object_end,
+            runs,
         )
         return FetchResponse(request_id, cast(FetchOkReceived, reply).message, reader)
 

@@ -4,7 +4,10 @@ Feed a unidirectional stream to :class:`DataStreamParser` in chunks of any size.
 stream header (:class:`SubgroupHeader` or :class:`FetchHeader`), then for every object
 ``ObjectStart``, zero or more ``ObjectChunk`` and ``ObjectEnd`` — status objects (END_OF_GROUP,
 END_OF_TRACK) and empty objects included, with the status on ``ObjectStart`` — plus
-``EndOfRange`` markers on FETCH streams and ``StreamFinished`` at the FIN.
+``EndOfRange`` markers on FETCH streams and ``StreamFinished`` at the FIN. Asked to
+(``feed(..., runs=True)``), it gives the whole objects a piece of a FETCH stream holds, header
+and all of the payload, as one :class:`ObjectRun` each time, read by one native call, where it
+would give the three events of each.
 
 Payload chunks are memoryview slices of the buffers fed in, never copies, so a 2 MiB layer can be
 hashed and copied into its destination piece by piece. A chunk stays valid as long as the buffer
@@ -73,8 +76,10 @@ __all__ = [
     "ObjectChunk",
     "ObjectDatagram",
     "ObjectEnd",
+    "ObjectRun",
     "ObjectStart",
     "ObjectStatus",
+    "RunObject",
     "StreamFinished",
     "StreamHeader",
     "SubgroupHeader",
@@ -137,6 +142,47 @@ class EndOfRange:
     unknown: bool
 
 
+RunObject: TypeAlias = tuple[int, int | None, int, int, Extensions, int, int]
+"""A whole FETCH object of an :class:`ObjectRun`: ``(group_id, subgroup_id, object_id,
+publisher_priority, extensions, payload_start, payload_length)``, its payload at
+``run.data[payload_start : payload_start + payload_length]``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRun:
+    """Whole objects one after another in a piece of a FETCH stream (§10.4.4): for each, what
+    the parser gives otherwise as :class:`ObjectStart`, one :class:`ObjectChunk` holding its
+    whole payload (none when it is empty) and :class:`ObjectEnd` (:meth:`events`).
+
+    ``data`` is the piece (a memoryview of the fed buffer); ``octets`` the payload octets of
+    all the objects.
+    """
+
+    data: memoryview
+    objects: list[RunObject]
+    octets: int
+
+    def events(self) -> list[DataStreamEvent]:
+        """The events the run stands for, in stream order."""
+        data = self.data
+        events: list[DataStreamEvent] = []
+        for group, subgroup, object_id, priority, extensions, start, length in self.objects:
+            events.append(
+                ObjectStart(
+                    group_id=group,
+                    subgroup_id=subgroup,
+                    object_id=object_id,
+                    publisher_priority=priority,
+                    extensions=extensions,
+                    payload_length=length,
+                )
+            )
+            if length:
+                events.append(ObjectChunk(data[start : start + length], 0))
+            events.append(ObjectEnd(group, object_id))
+        return events
+
+
 @dataclass(frozen=True, slots=True)
 class StreamFinished:
     """The stream ended with a FIN on an object boundary."""
@@ -150,6 +196,7 @@ DataStreamEvent: TypeAlias = (
     | ObjectEnd
     | EndOfRange
     | StreamFinished
+    | ObjectRun
 )
 _Unit: TypeAlias = SubgroupHeader | FetchHeader | ObjectStart | EndOfRange
 
@@ -198,8 +245,12 @@ class DataStreamParser:
         """The stream header, once parsed."""
         return self._header
 
-    def feed(self, data: Bytes, *, end_stream: bool = False) -> list[DataStreamEvent]:
-        """Consume ``data``; return the events it completes, in stream order.
+    def feed(
+        self, data: Bytes, *, end_stream: bool = False, runs: bool = False
+    ) -> list[DataStreamEvent]:
+        """Consume ``data``; return the events it completes, in stream order. With ``runs``
+        the whole objects of a FETCH stream come as :class:`ObjectRun` events (never
+        without the native reader).
 
         Raises:
             ProtocolViolation: an invalid stream type, field or object status, or a FIN inside
@@ -213,10 +264,19 @@ class DataStreamParser:
         view = as_byte_view(data)
         events: list[DataStreamEvent] = []
         pos, end = 0, len(view)
+        scan = _native.fetch_objects if runs and _native is not None else None
         while pos < end:
             if self._payload_left:
                 pos = self._take_payload(view, pos, events)
                 continue
+            if scan is not None and type(self._header) is FetchHeader and not self._pending:
+                found = scan(view, pos, self._last)
+                if found is not None:
+                    pos, objects, octets = found
+                    events.append(ObjectRun(view, objects, octets))
+                    group, subgroup, object_id, priority = objects[-1][:4]
+                    self._last = _Prior(group, object_id, subgroup, priority)
+                    continue
             step = self._parse_unit(view, pos)
             if step is None:
                 break

@@ -6,7 +6,9 @@ request the stream belongs to. A subgroup stream names a Track Alias, which SUBS
 PUBLISH) binds to a request; a stream that arrives before that binding is held, parsed, until
 the alias is bound. Payload chunks stay memoryview slices of the received data. A request
 with a :class:`~moqt.session_events.TrackSink` gets its data events handed to the sink instead
-of returned, its payload pieces as plain calls (no event object per chunk).
+of returned, its payload pieces as plain calls (no event object per chunk); a
+:class:`~moqt.session_events.RunSink` gets the whole objects each piece of a FETCH stream holds
+as one :class:`~moqt.objects.ObjectRun` (one call a piece, no event per object).
 
 Sending: ``open_subgroup`` / ``open_fetch_stream`` write the stream header; ``begin_object``
 writes an object's fields and ``write_payload`` its payload, in as many pieces as the caller
@@ -19,7 +21,7 @@ is a header, not a chain of calls per buffer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
 
@@ -34,6 +36,7 @@ from .objects import (
     FetchStreamWriter,
     ObjectChunk,
     ObjectDatagram,
+    ObjectRun,
     ObjectStart,
     StreamFinished,
     SubgroupHeader,
@@ -124,6 +127,7 @@ class DataPlane:
     _aliases_in: dict[int, int]  # Track Alias of incoming objects -> request id
     _held_by_alias: dict[int, list[int]]  # alias -> stream ids held for it
     _sinks: dict[int, TrackSink]  # request id -> where its data events go
+    _run_sinks: dict[int, Callable[[int, ObjectRun], bool]]  # request id -> RunSink.on_run
 
     if TYPE_CHECKING:  # provided by MOQTSession
 
@@ -135,16 +139,22 @@ class DataPlane:
         self._aliases_in = {}
         self._held_by_alias = {}
         self._sinks = {}
+        self._run_sinks = {}
         self.payload_octets_sent = 0  # object payload octets, for operations metrics
         self.payload_octets_received = 0
 
     def set_track_sink(self, request_id: int, sink: TrackSink | None) -> None:
         """Hand the data events of ``request_id`` to ``sink`` as they happen (None: return
-        them from ``handle_event`` again)."""
+        them from ``handle_event`` again). A :class:`~moqt.session_events.RunSink` is also
+        offered the runs of whole objects on the request's FETCH streams."""
+        self._run_sinks.pop(request_id, None)
         if sink is None:
             self._sinks.pop(request_id, None)
-        else:
-            self._sinks[request_id] = sink
+            return
+        self._sinks[request_id] = sink
+        on_run = getattr(sink, "on_run", None)  # a RunSink (isinstance with a Protocol: slow)
+        if on_run is not None:
+            self._run_sinks[request_id] = on_run
 
     def _deliver(self, request_id: int, event: MOQTEvent, out: list[MOQTEvent]) -> None:
         sink = self._sinks.get(request_id)
@@ -169,7 +179,7 @@ class DataPlane:
         if not end_stream and self._payload_to_sink(stream_id, stream, data):
             return
         try:
-            parsed = stream.parser.feed(data, end_stream=end_stream)
+            parsed = stream.parser.feed(data, end_stream=end_stream, runs=True)
         except MalformedTrack as exc:
             self._malformed(stream_id, stream, exc.reason, out)
             return
@@ -212,7 +222,13 @@ class DataPlane:
         :meth:`_route` and :meth:`_emit` would deliver, without their dispatch)."""
         on_payload, on_event = sink.on_payload, sink.on_event
         for event in parsed:
-            if type(event) is ObjectChunk:
+            if type(event) is ObjectRun:
+                on_run = self._run_sinks.get(request_id)
+                if on_run is not None and on_run(stream_id, event):
+                    self.payload_octets_received += event.octets
+                else:
+                    self._to_sink(stream_id, stream, request_id, sink, event.events(), out)
+            elif type(event) is ObjectChunk:
                 self.payload_octets_received += len(event.data)
                 on_payload(stream_id, event.data, event.offset)
             elif type(event) is ObjectStart:
@@ -261,6 +277,9 @@ class DataPlane:
             request_id = stream.request_id
             if request_id is not None and not stream.ignored:
                 self._payload(stream_id, request_id, event, out)
+        elif type(event) is ObjectRun:
+            for each in event.events():
+                self._route(stream_id, stream, each, out)
         elif isinstance(event, SubgroupHeader):
             self._open_subgroup_in(stream_id, stream, event, out)
         elif isinstance(event, FetchHeader):

@@ -7,13 +7,14 @@ of the received QUIC data, so a 2 MiB object is consumed piece by piece without 
 
 A request with a :class:`TrackSink` (``MOQTSession.set_track_sink``) gets its data events handed
 to the sink as they happen instead of returned, and its payload as plain calls with no event
-object per chunk.
+object per chunk; a sink that is also a :class:`RunSink` may take the whole objects a piece of a
+FETCH stream holds in one call, with no event per object.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from .messages import (
     Fetch,
@@ -31,7 +32,7 @@ from .messages import (
     SubscribeOk,
     TrackStatus,
 )
-from .objects import ObjectDatagram, ObjectStart, SubgroupHeader
+from .objects import ObjectDatagram, ObjectRun, ObjectStart, SubgroupHeader
 from .wire import TrackNamespace
 
 
@@ -384,3 +385,12 @@ class TrackSink(Protocol):
 
     def on_payload(self, stream_id: int, data: memoryview, offset: int) -> None:
         """A piece of the current object's payload on ``stream_id``, at ``offset``."""
+
+
+@runtime_checkable
+class RunSink(TrackSink, Protocol):
+    """A :class:`TrackSink` that may take a run of whole FETCH objects in one call."""
+
+    def on_run(self, stream_id: int, run: ObjectRun) -> bool:
+        """The whole objects of ``run``, in order, on FETCH stream ``stream_id``; False to
+        decline them: the session then delivers them as events (:meth:`ObjectRun.events`)."""

@@ -5,7 +5,8 @@ the QUIC glue.
 the session hands it the request's data events synchronously from the QUIC event handler, so a
 payload piece costs a deque append, not an event object, a queue put and a task switch. A
 reader with a payload sink (:meth:`TrackReader.set_payload_sink`) passes the pieces straight on
-and queues only object boundaries and stream events.
+and queues only object boundaries and stream events; one given a run sink too takes the whole
+objects a piece of a FETCH stream holds in one call (a :class:`~moqt.session_events.RunSink`).
 
 :class:`ObjectSender` writes objects as the transport allows: a stream opens once the peer's
 stream limit allows it, payload (one buffer or several, e.g. K and V, never joined) goes to QUIC
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 from .backend import Backend, TransportConfig, initial_padded_outside_packets
 from .errors import ObjectStatus
 from .messages import STREAM_COUNT_UNKNOWN
+from .objects import ObjectRun
 from .session import MOQTSession, SessionConfig
 from .session_data import StreamObject
 from .session_events import (
@@ -64,6 +66,8 @@ PayloadSink: TypeAlias = Callable[[ObjectHeader, memoryview, int], None]
 """``sink(header, data, offset)``: a payload piece of the object ``header`` describes."""
 ObjectEndSink: TypeAlias = Callable[[ObjectHeader], None]
 """``object_end(header)``: the object ``header`` describes is complete."""
+ObjectRunSink: TypeAlias = Callable[[ObjectRun], None]
+"""``runs(run)``: whole objects of a FETCH stream, each header with all of its payload."""
 _Piece: TypeAlias = tuple[ObjectHeader, memoryview, int]  # a queued payload piece
 _Item: TypeAlias = MOQTEvent | _Piece
 
@@ -132,6 +136,7 @@ class TrackReader:
         self._sink: PayloadSink | None = None
         self._bounds = True  # object headers and ends go to the iterators
         self._on_object_end: ObjectEndSink | None = None
+        self._runs: ObjectRunSink | None = None
         self._on_end = on_end
 
     # --- fed by the session (TrackSink), synchronously ------------------------------------------
@@ -182,6 +187,18 @@ class TrackReader:
             self._items.append((self._current[stream_id], data, offset))
             self._wake()
 
+    def on_run(self, stream_id: int, run: ObjectRun) -> bool:
+        """Whole FETCH objects (:class:`~moqt.session_events.RunSink`): to the run sink, if
+        one is set; otherwise declined, for the session to deliver them as events."""
+        if self.ended:
+            return True
+        runs = self._runs
+        if runs is None:
+            return False
+        self._current.pop(stream_id, None)  # the run's objects are complete: none is arriving
+        runs(run)
+        return True
+
     _feed = on_event  # the name the connection used before the sink path
 
     def _push(self, item: _Item) -> None:
@@ -218,6 +235,7 @@ class TrackReader:
         sink: PayloadSink | None,
         *,
         object_end: ObjectEndSink | None = None,
+        runs: ObjectRunSink | None = None,
     ) -> None:
         """Hand payload pieces to ``sink(header, data, offset)`` as they arrive, from the QUIC
         event handler; the iterators then carry object boundaries and stream events only.
@@ -228,12 +246,17 @@ class TrackReader:
         the track's end (:meth:`objects` then yields datagram objects only), so a consumer that
         works in the callbacks is not woken per object.
 
+        With ``runs`` as well, the whole objects a piece of a FETCH stream holds go to
+        ``runs(run)`` in one call (:class:`~moqt.objects.ObjectRun`), in their place among the
+        other calls, instead of a header, a piece and an end each.
+
         ``data`` is a slice of the received QUIC data (valid while referenced). Pieces and
         object ends queued before the sink was set go to it now, in order.
         """
         self._sink = sink
         self._bounds = sink is None or object_end is None
         self._on_object_end = None if sink is None else object_end
+        self._runs = None if self._bounds else runs
         if sink is None or not self._items:
             return
         kept: list[_Item] = []

@@ -87,6 +87,7 @@ from moqt.objects import (
     FetchStreamWriter,
     ObjectChunk,
     ObjectDatagram,
+    ObjectRun,
     ObjectStatus,
     SubgroupHeader,
     SubgroupWriter,
@@ -559,14 +560,14 @@ def data_seeds() -> list[bytes]:
     return [bytes(stream), bytes(fstream), datagram.encode(), status.encode()]
 
 
-def _events(data: bytes, how: str) -> list[Any]:
+def _events(data: bytes, how: str, runs: bool = False) -> list[Any]:
     parser = DataStreamParser()
     events: list[Any] = []
     pieces = feeding(data, how)
     for i, piece in enumerate(pieces):
-        events += parser.feed(piece, end_stream=i == len(pieces) - 1)
+        events += parser.feed(piece, end_stream=i == len(pieces) - 1, runs=runs)
     if not pieces:
-        events += parser.feed(b"", end_stream=True)
+        events += parser.feed(b"", end_stream=True, runs=runs)
     return _join_chunks(events)
 
 
@@ -574,7 +575,9 @@ def _join_chunks(events: Sequence[Any]) -> list[Any]:
     """Events with each object's payload chunks merged, so that feedings compare equal."""
     out: list[Any] = []
     for event in events:
-        if isinstance(event, ObjectChunk):
+        if isinstance(event, ObjectRun):  # a run of whole objects: the events it stands for
+            out += _join_chunks(event.events())
+        elif isinstance(event, ObjectChunk):
             if out and isinstance(out[-1], bytearray):
                 out[-1] += event.data
             else:
@@ -585,16 +588,18 @@ def _join_chunks(events: Sequence[Any]) -> list[Any]:
 
 
 def data_target(data: bytes) -> None:
-    """Parse ``data`` as a data stream three ways, and as one datagram.
+    """Parse ``data`` as a data stream three ways, each also with runs of whole FETCH objects
+    (``feed(..., runs=True)``), and as one datagram.
 
     Raises:
         AssertionError: the feedings disagree, or an accepted datagram does not round-trip.
     """
     whole = _outcome(lambda: _events(data, "whole"), MOQTError)
-    for how in ("bytes", "uneven"):
-        got = _outcome(partial(_events, data, how), MOQTError)
-        if got != whole:
-            raise AssertionError(f"data stream fed {how}: {got}, whole: {whole}")
+    for how in ("whole", "bytes", "uneven"):
+        for runs in (False, True):
+            got = _outcome(partial(_events, data, how, runs), MOQTError)
+            if got != whole:
+                raise AssertionError(f"data stream fed {how} (runs {runs}): {got}, whole: {whole}")
     try:
         datagram = ObjectDatagram.decode(data)
     except MOQTError:

@@ -371,7 +371,9 @@ class MoqtBlockClient:
             objects = ObjectFeed(assembler, in_band=False)  # the record is authoritative
             landed = _paced(reader, objects, checks, watchdog)
         else:
-            watchdog = Watchdog(self.timeout, stalled, progress=lambda: landing.progress)
+            watchdog = Watchdog(
+                self.timeout, stalled, progress=lambda: landing.progress, armed=False
+            )
             landed = _land(reader, landing, watchdog, wake)
         try:
             async for layer in landed:
@@ -420,6 +422,7 @@ class MoqtBlockClient:
             end,
             payload_sink=None if landing is None else landing.payload,
             object_end=None if landing is None else landing.object_end,
+            runs=None if landing is None else landing.run,
         )
         try:  # in this task (no task per request): the FETCH leaves at once
             async with asyncio.timeout(self.timeout):
@@ -572,15 +575,14 @@ async def _land(
 ) -> AsyncGenerator[Layer, None]:
     """The layers of a FETCH, as they pass their checks, while its objects land through the
     payload sink the request was made with (:class:`~kvsp.transfer.moqt_transfer.FetchLanding`),
-    until the track ends or the watchdog fires; then the stream's own events, raising on a
-    reset or malformed one.
+    until the track ends or the watchdog (armed at the first wait) fires; then the stream's own
+    events, raising on a reset or malformed one.
 
     Raises:
         TransportError: the data stream was reset or found malformed. SessionClosedError.
         ContainerError, DigestMismatch: from the landing.
     """
-    ending = asyncio.ensure_future(reader.finished())
-    ending.add_done_callback(wake.settle)
+    ending: asyncio.Future[None] | None = None
     try:
         while True:
             for layer in landing.checks.ready():
@@ -589,10 +591,15 @@ async def _land(
                 raise landing.error
             if reader.ended or watchdog.fired:
                 break
+            if ending is None:  # the first wait (none when the track ended at once)
+                ending = asyncio.ensure_future(reader.finished())
+                ending.add_done_callback(wake.settle)
+                watchdog.arm()
             await wake.wait()
     finally:
         reader.set_payload_sink(None)  # the reader may outlive the fetch: not the block
-        ending.cancel()
+        if ending is not None:
+            ending.cancel()
     if reader.ended:
         async for event in reader.events():  # the stream's own events, queued
             if isinstance(event, DataStreamReset | MalformedTrackDetected):

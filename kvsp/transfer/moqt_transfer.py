@@ -51,6 +51,7 @@ from kvsp.registries import Codec
 from kvsp.transfer.verify import VerifiedBlock, layer_range
 from moqt.asyncio import RequestRejected
 from moqt.errors import ObjectStatus, RequestErrorCode
+from moqt.objects import ObjectRun
 from moqt.session_events import (
     DataStreamReset,
     MalformedTrackDetected,
@@ -208,13 +209,16 @@ class BlockStream(Generic[T]):
 
 class Watchdog:
     """Calls ``on_stall`` when ``progress`` (the attribute, or what the callable given as
-    ``progress`` returns) has not moved for ``idle`` seconds."""
+    ``progress`` returns) has not moved for ``idle`` seconds; from now, or with ``armed``
+    False from the first :meth:`arm` (a consumer that never has to wait needs no timer)."""
 
     def __init__(
         self,
         idle: float,
         on_stall: Callable[[], None],
         progress: Callable[[], int] | None = None,
+        *,
+        armed: bool = True,
     ) -> None:
         self.progress = 0
         self.fired = False
@@ -222,7 +226,14 @@ class Watchdog:
         self._idle = idle
         self._on_stall = on_stall
         self._measure = progress
-        self._handle = asyncio.get_running_loop().call_later(idle, self._check)
+        self._handle: asyncio.TimerHandle | None = None
+        if armed:
+            self.arm()
+
+    def arm(self) -> None:
+        """Start watching, if not yet started."""
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self._idle, self._check)
 
     def _check(self) -> None:
         progress = self.progress if self._measure is None else self._measure()
@@ -235,7 +246,8 @@ class Watchdog:
 
     def cancel(self) -> None:
         """Stop watching."""
-        self._handle.cancel()
+        if self._handle is not None:
+            self._handle.cancel()
 
 
 class ObjectFeed:
@@ -281,10 +293,12 @@ class ObjectFeed:
 
 class FetchLanding:
     """The payload sink of a FETCH (:meth:`moqt.transport.TrackReader.set_payload_sink` with
-    ``object_end``): pieces go into the :class:`LayerAssembler` and each ended layer into the
-    :class:`LayerChecks` from the session's receive path, so a block of many objects costs no
-    event and no wake-up of the consumer per piece, header or end. Status objects (a relay's
-    END_OF_GROUP) are skipped, and in-band digests are not read (the record is authoritative).
+    ``object_end`` and ``runs``): pieces go into the :class:`LayerAssembler` and each ended
+    layer into the :class:`LayerChecks` from the session's receive path, so a block of many
+    objects costs no event and no wake-up of the consumer per piece, header or end; the whole
+    objects a received piece holds (a small block's) come as one run, landed in one call each.
+    Status objects (a relay's END_OF_GROUP) are skipped, and in-band digests are not read (the
+    record is authoritative).
 
     A callback never raises into the carrier's receive path: the first error (an object that
     is not a layer of the block, a mismatch found inline) is kept in :attr:`error`, everything
@@ -339,6 +353,30 @@ class FetchLanding:
             self._fail(exc)
             return
         if digest is not None:
+            self._wake()
+
+    def run(self, run: ObjectRun) -> None:
+        """Whole objects, each a layer (the run sink): landed one after another, then hashed
+        together where the assembler hashes (:meth:`LayerAssembler.digests`) and checked, the
+        consumer woken once for the run. Nothing after the first object that is not a layer
+        or the first layer that fails its check is handed out."""
+        self.progress += 1
+        if self.error is not None:
+            return
+        assembler = self.assembler
+        landed: list[Layer] = []
+        error: Exception | None = None
+        try:
+            assembler.land(run, landed)
+        except Exception as exc:  # noqa: BLE001 - raised by the consumer (see the class)
+            error = exc
+        try:
+            self.checks.add_run(landed, assembler.digests(landed) if assembler.hashing else None)
+        except Exception as exc:  # noqa: BLE001
+            error = exc  # a layer before the one that stopped the landing
+        if error is not None:
+            self._fail(error)
+        elif assembler.hashing and landed:
             self._wake()
 
     def _begin(self, header: ObjectHeader) -> None:
@@ -450,6 +488,24 @@ class LayerChecks:
         self._octets += len(layer.k) + len(layer.v)
         if self._octets >= self._batch:
             self.flush()
+
+    def add_run(self, layers: Sequence[Layer], digests: Sequence[bytes] | None) -> None:
+        """Layers whose objects ended together, in order, with their digests (as many) if
+        computed: what :meth:`add` does with each.
+
+        Raises:
+            DigestMismatch: the first layer whose digest differs from the record's (the layers
+                before it are taken, none after it).
+        """
+        expected = self._expected
+        if digests is None:
+            for layer in layers:
+                self.add(layer, None)
+        elif expected is not None and digests == [expected[layer.index] for layer in layers]:
+            self._matched.extend(layers)  # all of them match: §6.7 for each
+        else:
+            for layer, digest in zip(layers, digests, strict=True):
+                self._check(layer, digest)
 
     def flush(self) -> None:
         """Hash the queued layers now (one worker-thread job), however few."""

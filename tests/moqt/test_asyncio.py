@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from moqt.session_events import (
     SubscribeReceived,
 )
 from moqt.wire import Location
+from tests.support.backends import BACKENDS, NEEDS_QH3
 from tests.support.polling import until
 
 NS = (b"kvsp", b"1", b"c0", b"s0", b"k0")
@@ -42,11 +42,6 @@ BLOCK = b"".join(LAYERS)  # 2 MiB
 MANY = b"many-groups"  # one stream per group, more than the peer's stream limit
 STREAMS = 300
 ENDLESS = b"endless"  # a group every few milliseconds until the subscriber leaves
-
-NEEDS_QH3 = pytest.mark.skipif(
-    importlib.util.find_spec("qh3") is None, reason="qh3 (extra quic-fast) not installed"
-)
-BACKENDS = ["aioquic", pytest.param("qh3", marks=NEEDS_QH3)]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from moqt.certs import make_self_signed
 from moqt.errors import ObjectStatus, PublishDoneCode, RequestErrorCode
 from moqt.messages import JoiningFetch, SubscribeOptions
 from moqt.messages_params import ExtensionType
-from moqt.objects import ObjectStart
+from moqt.objects import ObjectRun, ObjectStart
 from moqt.session_events import (
     DatagramReceived,
     DataStreamFinished,
@@ -453,5 +453,27 @@ def test_objects_are_joined_from_pieces_and_the_reader_stops_after_it_ends() -> 
         objects = [obj async for obj in reader.objects()]
         assert [bytes(obj.payload) for obj in objects] == [b"abcd"]
         assert reader.current_object(3) is None
+
+    asyncio.run(main())
+
+
+def test_runs_go_to_the_run_sink_only_with_the_payload_and_object_end_sinks() -> None:
+    async def main() -> None:
+        run = ObjectRun(memoryview(b"xab"), [(0, 0, 0, 128, (), 1, 2)], 2)
+        reader = TrackReader(7)
+        assert not reader.on_run(3, run)  # no sinks: the session delivers the events
+        runs: list[ObjectRun] = []
+        reader.set_payload_sink(lambda h, data, offset: None, runs=runs.append)
+        assert not reader.on_run(3, run) and runs == []  # the bounds go to the iterators
+        reader.set_payload_sink(lambda h, data, offset: None, object_end=print, runs=runs.append)
+        reader.on_event(header(3, 0, 1))
+        assert reader.current_object(3) is not None
+        assert reader.on_run(3, run) and runs == [run]
+        assert reader.current_object(3) is None  # the run's objects are complete
+        reader.set_payload_sink(None)
+        assert not reader.on_run(3, run) and runs == [run]
+        reader.on_event(DataStreamFinished(3, 7))
+        reader._fetch_done()
+        assert reader.on_run(3, run) and runs == [run]  # ended: dropped, as pieces are
 
     asyncio.run(main())

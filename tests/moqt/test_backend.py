@@ -11,10 +11,8 @@ import pytest
 
 from moqt.backend import Backend, get_backend
 from moqt.certs import make_self_signed
+from tests.support.backends import NEEDS_QH3
 
-NEEDS_QH3 = pytest.mark.skipif(
-    importlib.util.find_spec("qh3") is None, reason="qh3 (extra quic-fast) not installed"
-)
 SERVER_ADDR = ("10.0.0.2", 4443)
 
 

@@ -27,6 +27,7 @@ from moqt.udp_endpoint import (
     open_batched_endpoint,
 )
 from moqt.wire import Location
+from tests.support.backends import BACKENDS, NEEDS_QH3
 from tests.support.polling import until
 
 NS = (b"batching",)
@@ -36,10 +37,6 @@ LAYERS = [hashlib.sha256(b"layer%d" % i).digest() * (LAYER // 32) for i in range
 BLOCK = b"".join(LAYERS)  # 2 MiB
 PINGS = 40  # per client; two clients' pings are more than one batch holds
 
-NEEDS_QH3 = pytest.mark.skipif(
-    importlib.util.find_spec("qh3") is None, reason="qh3 (extra quic-fast) not installed"
-)
-BACKENDS = ["aioquic", pytest.param("qh3", marks=NEEDS_QH3)]
 
 Held = list[tuple[bytes, Any]]
 Reads = list[list[tuple[int, int]]]  # per read, per server connection: (received, transmits)

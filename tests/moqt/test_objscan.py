@@ -23,14 +23,20 @@ from test_objects import feed_in, fetch_streams, random_sizes, subgroup_streams
 
 import moqt.objects
 from kvsp.moqt_mapping import layer_digest_extension
-from moqt.errors import MalformedTrack, MOQTError
+from moqt.errors import MalformedTrack, MOQTError, ProtocolViolation
 from moqt.objects import (
     DataStreamParser,
+    FetchHeader,
     FetchStreamWriter,
+    ObjectChunk,
+    ObjectEnd,
+    ObjectRun,
     ObjectStart,
+    StreamFinished,
     SubgroupHeader,
     SubgroupWriter,
 )
+from moqt.objects_wire import FETCH_SUBGROUP_PRIOR
 from moqt.wire import VARINT_MAX, Reader, encode_kvps, encode_varint
 
 pytestmark = pytest.mark.skipif(
@@ -327,3 +333,172 @@ def test_a_malformed_track_error_names_the_same_rule() -> None:
         with reader(native), pytest.raises(MalformedTrack) as info:
             DataStreamParser().feed(wire)
         assert "0xb" in info.value.reason
+
+
+# --- runs of whole FETCH objects (fetch_objects, feed(..., runs=True)) -------------------------
+
+
+def flat(events: Sequence[Any]) -> list[Any]:
+    """Events as comparable values, each :class:`ObjectRun` replaced by the events it stands for
+    and each chunk by its octets and offset."""
+    out: list[Any] = []
+    for event in events:
+        if isinstance(event, ObjectRun):
+            out += flat(event.events())
+        elif isinstance(event, ObjectChunk):
+            out.append(("chunk", bytes(event.data), event.offset))
+        else:
+            out.append(event)
+    return out
+
+
+def feed_each(data: bytes, sizes: Sequence[int] | None, *, runs: bool) -> list[Any]:
+    """What each feed of ``data`` (in pieces of ``sizes``, cycled, or whole, then the FIN)
+    gives, flattened, up to the error that ends it (its type, code and reason)."""
+    parser, results = DataStreamParser(), []
+    pieces = [data] if sizes is None else []
+    pos = i = 0
+    while sizes is not None and pos < len(data):
+        pieces.append(data[pos : pos + sizes[i % len(sizes)]])
+        pos, i = pos + sizes[i % len(sizes)], i + 1
+    try:
+        for piece in pieces:
+            results.append(flat(parser.feed(piece, runs=runs)))
+        results.append(flat(parser.feed(b"", end_stream=True, runs=runs)))
+    except MOQTError as exc:
+        results.append(("error", type(exc), exc.error_code, exc.reason))
+    return results
+
+
+def same_with_runs(data: bytes, rng: random.Random) -> None:
+    for sizes in (None, [1], random_sizes(rng)):
+        assert feed_each(data, sizes, runs=True) == feed_each(data, sizes, runs=False)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(fetch_streams(), st.randoms(use_true_random=False))
+def test_runs_give_each_feed_the_same_events(
+    stream: tuple[bytes, list[tuple[Any, ...]]], rng: random.Random
+) -> None:
+    same_with_runs(stream[0], rng)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(fetch_streams(), st.randoms(use_true_random=False))
+def test_runs_of_corrupted_streams_give_the_same_events_or_error(
+    stream: tuple[bytes, list[tuple[Any, ...]]], rng: random.Random
+) -> None:
+    buf = bytearray(stream[0])
+    for _ in range(rng.randint(1, 4)):
+        roll = rng.random()
+        if buf and roll < 0.6:
+            buf[rng.randrange(len(buf))] = rng.randrange(256)
+        elif buf and roll < 0.8:
+            del buf[rng.randrange(len(buf)) :]
+        else:
+            at = rng.randrange(len(buf) + 1)
+            buf[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+    same_with_runs(bytes(buf), rng)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=120), st.randoms(use_true_random=False))
+def test_runs_of_arbitrary_objects_give_the_same_events_or_error(
+    tail: bytes, rng: random.Random
+) -> None:
+    same_with_runs(b"\x05\x00" + tail, rng)
+
+
+def test_a_kvsp_block_fed_whole_is_one_run() -> None:
+    wire = kvsp_block_stream()
+    events = DataStreamParser().feed(wire, end_stream=True, runs=True)
+    assert [type(event) for event in events] == [FetchHeader, ObjectRun, StreamFinished]
+    run = events[1]
+    assert isinstance(run, ObjectRun)
+    assert [item[2] for item in run.objects] == list(range(32))
+    assert run.octets == 32 * 64
+    for group, subgroup, object_id, priority, extensions, start, length in run.objects:
+        assert (group, subgroup, priority, length) == (0, 0, 128, 64)
+        assert len(extensions) == 1
+        assert bytes(run.data[start : start + length]) == bytes([object_id]) * 64
+
+
+def test_a_run_stops_before_an_object_the_piece_does_not_hold_whole() -> None:
+    wire = kvsp_block_stream(layers=3, size=10)
+    header = len(FetchStreamWriter(request_id=3).header_bytes())
+    parser = DataStreamParser()
+    events = parser.feed(wire[:-4], runs=True)  # the last object lacks 4 payload octets
+    assert [type(event) for event in events] == [FetchHeader, ObjectRun, ObjectStart, ObjectChunk]
+    run = events[1]
+    assert isinstance(run, ObjectRun) and [item[2] for item in run.objects] == [0, 1]
+    assert flat(parser.feed(wire[-4:], end_stream=True, runs=True)) == [
+        ("chunk", bytes([2]) * 4, 6),
+        ObjectEnd(0, 2),
+        StreamFinished(),
+    ]
+    # the native function itself: None where no whole object starts
+    assert moqt.objects._native is not None
+    scan = moqt.objects._native.fetch_objects
+    assert scan(wire[:-4], len(wire) - 4, None) is None
+    assert scan(wire, header, None) is not None
+    assert scan(wire[: header + 5], header, None) is None
+
+
+def test_fetch_objects_inherits_from_object_to_object_and_from_the_prior() -> None:
+    writer = FetchStreamWriter(request_id=1)
+    wire = b"".join(
+        writer.object_header(
+            group_id=4, object_id=i, subgroup_id=sub, publisher_priority=9, payload_length=1
+        )
+        + b"x"
+        for i, sub in ((7, 2), (8, 2), (9, 3), (10, None), (11, 0))
+    )
+    assert moqt.objects._native is not None
+    found = moqt.objects._native.fetch_objects(wire, 0, None)
+    assert found is not None
+    end, objects, octets = found
+    assert (end, octets) == (len(wire), 5)
+    assert [item[:4] for item in objects] == [
+        (4, 2, 7, 9), (4, 2, 8, 9), (4, 3, 9, 9), (4, None, 10, 9), (4, 0, 11, 9),
+    ]  # fmt: skip
+    # what the second object inherits may come from the prior given
+    second = 1 + len(
+        FetchStreamWriter(request_id=1).object_header(
+            group_id=4, object_id=7, subgroup_id=2, publisher_priority=9, payload_length=1
+        )
+    )
+    prior = ObjectStart(
+        group_id=4,
+        subgroup_id=2,
+        object_id=7,
+        publisher_priority=9,
+        extensions=(),
+        payload_length=1,
+    )
+    found = moqt.objects._native.fetch_objects(wire, second, prior)
+    assert found is not None and found[1] == objects[1:]
+    # a Datagram object leaves no subgroup to inherit: the run ends before the object that
+    # asks for one, which the Python reader then refuses
+    datagram = fetch_with(0x40 | 0x08 | 0x04 | 0x10, b"\x00\x00\x01\x00")
+    wire = datagram + fetch_with(FETCH_SUBGROUP_PRIOR, b"\x00")
+    found = moqt.objects._native.fetch_objects(wire, 0, None)
+    assert found == (len(datagram), [(0, None, 0, 1, (), len(datagram), 0)], 0)
+    with pytest.raises(ProtocolViolation):
+        DataStreamParser().feed(b"\x05\x00" + wire, runs=True)
+
+
+def test_fetch_objects_bad_calls_raise_not_crash() -> None:
+    native = moqt.objects._native
+    assert native is not None
+    with pytest.raises(ValueError):
+        native.fetch_objects(b"\x00\x01", 3, None)
+    with pytest.raises(TypeError):
+        native.fetch_objects(b"\x00\x01", 0)  # type: ignore[call-arg]
+    with pytest.raises(AttributeError):
+        native.fetch_objects(b"\x00\x05", 0, object())  # type: ignore[arg-type]
+
+
+def test_without_the_native_reader_runs_are_never_given() -> None:
+    with reader(native=False):
+        events = DataStreamParser().feed(kvsp_block_stream(), end_stream=True, runs=True)
+    assert not any(isinstance(event, ObjectRun) for event in events)

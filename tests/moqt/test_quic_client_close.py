@@ -14,11 +14,7 @@ import pytest
 
 from moqt.backend import get_backend
 from moqt.transport import quic_client
-
-NEEDS_QH3 = pytest.mark.skipif(
-    importlib.util.find_spec("qh3") is None, reason="qh3 (extra quic-fast) not installed"
-)
-BACKENDS = ["aioquic", pytest.param("qh3", marks=NEEDS_QH3)]
+from tests.support.backends import BACKENDS
 
 
 def silent_port() -> socket.socket:

@@ -4,7 +4,6 @@ probing where the backend does it, aioquic still selectable, and the start-up ba
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,8 @@ from moqt.backend import (
     transport_banner,
 )
 from moqt.certs import make_self_signed
+from tests.support.backends import BACKENDS, HAS_QH3
 from tests.support.polling import until
-
-HAS_QH3 = importlib.util.find_spec("qh3") is not None
-BACKENDS = ["aioquic", pytest.param("qh3", marks=pytest.mark.skipif(not HAS_QH3, reason="no qh3"))]
 
 
 def test_the_default_is_qh3_when_installed_else_aioquic() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from moqt.objects_wire import encode_extensions
 from moqt.qmux_asyncio import QMuxEndpoint, connect_qmux, serve_qmux
 from moqt.session_events import FetchReceived, SubscribeReceived
 from moqt.wire import Location, encode_kvps, encode_varint
+from tests.support.backends import NEEDS_QH3
 
 NS = (b"kvsp", b"batch")
 TRACK = b"block"
@@ -48,9 +48,6 @@ def fetch_objects(first: int, last: int) -> list[StreamObject]:
 
 Handler = Callable[[MOQTConnection], Awaitable[None]]
 Client = Callable[[MOQTConnection], Awaitable[None]]
-NEEDS_QH3 = pytest.mark.skipif(
-    importlib.util.find_spec("qh3") is None, reason="qh3 (extra quic-fast) not installed"
-)
 TRANSPORTS = ["aioquic", pytest.param("qh3", marks=NEEDS_QH3), "qmux-tcp", "qmux-unix"]
 
 

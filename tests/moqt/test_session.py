@@ -29,7 +29,7 @@ from moqt.messages import (
     SubscribeOk,
 )
 from moqt.messages_params import ExtensionType
-from moqt.objects import DataStreamParser, SubgroupHeader, SubgroupWriter
+from moqt.objects import DataStreamParser, ObjectRun, SubgroupHeader, SubgroupWriter
 from moqt.session import MOQTSession, SessionConfig
 from moqt.session_events import (
     DatagramReceived,
@@ -54,6 +54,7 @@ from moqt.session_events import (
     RequestErrorReceived,
     RequestOkReceived,
     RequestsBlockedReceived,
+    RunSink,
     SessionClosed,
     SetupComplete,
     SubgroupStreamOpened,
@@ -850,6 +851,76 @@ def test_objects_in_the_piece_that_opens_a_fetch_stream_go_straight_to_the_sink(
     assert next(pieces, None) is None
     assert pair.c.payload_octets_received - before == sum(map(len, payloads))
     assert of_type(pair.client_events, ObjectHeader) == []
+
+
+class RunSinkRecording(RecordingSink):
+    """A RunSink that takes runs of whole objects (``take``) or declines them."""
+
+    def __init__(self, take: bool) -> None:
+        super().__init__()
+        self.take = take
+        self.runs: list[tuple[int, ObjectRun]] = []
+
+    def on_run(self, stream_id: int, run: ObjectRun) -> bool:
+        if self.take:
+            self.runs.append((stream_id, run))
+        return self.take
+
+
+def sink_view(sink: RecordingSink) -> list[Any]:
+    """What a sink was handed, in order, each run as the events and pieces it stands for."""
+    # the relative order of events and pieces is checked by test_objects_in_the_piece_...;
+    # here: the objects' fields, payloads and ends, and the other events
+    objects: list[Any] = []
+    runs = getattr(sink, "runs", [])
+    for _, run in runs:
+        for group, subgroup, object_id, priority, extensions, start, length in run.objects:
+            payload = bytes(run.data[start : start + length])
+            objects.append((group, subgroup, object_id, priority, extensions, payload))
+    payload = iter(sink.payload)
+    for event in sink.events:
+        if isinstance(event, ObjectHeader):
+            got = bytearray()
+            while len(got) < event.object.payload_length:
+                got += next(payload)[1]
+            start = event.object
+            objects.append(
+                (start.group_id, start.subgroup_id, start.object_id, start.publisher_priority,
+                 start.extensions, bytes(got))
+            )  # fmt: skip
+    others = [type(e) for e in sink.events if not isinstance(e, ObjectHeader | ObjectEnd)]
+    return [sorted(objects, key=lambda item: item[2]), others]
+
+
+@pytest.mark.parametrize("size", [40, 700, 5000])
+def test_a_run_sink_gets_the_whole_objects_of_a_piece_in_one_call(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    routed = routed_objects(monkeypatch)
+    payloads = layers(12, size)
+    seen = []
+    for sink in (RecordingSink(), RunSinkRecording(take=False), RunSinkRecording(take=True)):
+        rid = pair.c.fetch(NS, TRACK, Location(0, 0), Location(0, 12))
+        pair.c.set_track_sink(rid, sink)
+        pair.pump()
+        pair.server_events.clear()
+        before = pair.c.payload_octets_received
+        serve_fetch(pair, rid, 0, 11, payloads)
+        assert pair.c.payload_octets_received - before == sum(map(len, payloads))
+        seen.append(sink_view(sink))
+    assert routed == []
+    assert seen[0] == seen[1] == seen[2]
+    assert [item[5] for item in seen[2][0]] == payloads
+    assert seen[2][1] == [FetchStreamOpened, DataStreamFinished]
+    taking = sink
+    assert isinstance(taking, RunSinkRecording)
+    if size == 40:  # small objects: every one whole in the piece that opened the stream
+        assert len(taking.runs) == 1 and not taking.payload
+        assert [type(e) for e in taking.events] == [FetchStreamOpened, DataStreamFinished]
+    elif size == 5000:  # each cut by a packet's end: no run
+        assert taking.runs == []
+    # RunSink is a protocol a TrackReader meets, and a plain sink does not
+    assert isinstance(taking, RunSink) and not isinstance(RecordingSink(), RunSink)
 
 
 def test_objects_in_the_piece_that_opens_a_subgroup_go_straight_to_the_sink(

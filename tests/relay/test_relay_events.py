@@ -33,9 +33,9 @@ from moqt.session_events import (
     UnsubscribeReceived,
 )
 from moqt.wire import Location
+from tests.support.backends import BACKENDS
 from tests.support.polling import until
 from tests.support.relay_kit import (
-    BACKENDS,
     Certs,
     block_track,
     client,

@@ -25,9 +25,9 @@ from moqt.wire import Location
 from relay import ingest as ingest_module
 from relay import kv
 from relay.cache import CacheTrack
+from tests.support.backends import BACKENDS
 from tests.support.polling import until
 from tests.support.relay_kit import (
-    BACKENDS,
     Certs,
     Track,
     block_track,

@@ -18,7 +18,8 @@ from moqt.certs import make_self_signed
 from moqt.errors import PublishDoneCode
 from moqt.session_events import SubscribeReceived
 from moqt.wire import TrackNamespace
-from tests.support.relay_kit import BACKENDS, Certs, client, relay_config, run, running_relay
+from tests.support.backends import BACKENDS
+from tests.support.relay_kit import Certs, client, relay_config, run, running_relay
 
 pytestmark = pytest.mark.timeout(120)
 GROUPS = 16

@@ -13,8 +13,8 @@ from moqt.messages_params import ExtensionType, track_extension
 from moqt.session_events import DataStreamReset, ObjectData, PublishDoneReceived
 from moqt.wire import Location
 from relay.upstream import UpstreamConfig
+from tests.support.backends import BACKENDS
 from tests.support.relay_kit import (
-    BACKENDS,
     Certs,
     Track,
     block_track,

@@ -8,13 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import importlib.util
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.moqt_mapping import kv_namespace, layer_digest_extension
@@ -27,15 +24,6 @@ from moqt.session_events import FetchReceived, SubscribeReceived, UnsubscribeRec
 from moqt.wire import KeyValuePair, Location, TrackNamespace
 from relay.relay import Relay, RelayConfig
 
-BACKENDS = [
-    "aioquic",
-    pytest.param(
-        "qh3",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("qh3") is None, reason="qh3 (extra quic-fast) not installed"
-        ),
-    ),
-]
 COMPAT = CompatId(hashlib.sha256(b"relay-test-compat").digest())
 SCOPE_A = ScopeId(b"\x0a" * 16)
 SCOPE_B = ScopeId(b"\x0b" * 16)

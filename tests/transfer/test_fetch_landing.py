@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsp import sha256x2
 from kvsp.container import Geometry, Layer
 from kvsp.errors import ContainerError, DigestMismatch
 from kvsp.moqt_mapping import LayerAssembler
 from kvsp.transfer.moqt_transfer import FetchLanding, LayerChecks, Watchdog
 from moqt.errors import ObjectStatus
-from moqt.objects import ObjectStart
+from moqt.objects import ObjectRun, ObjectStart
 from moqt.session_events import ObjectHeader
 
 GEOMETRY = Geometry(layers=4, kv_heads=1, head_dim=8, element_size=2)
@@ -218,3 +220,112 @@ def test_an_assembler_puts_a_whole_payload_k_first_then_v() -> None:
         assert bytes(layer.v) == LAYERS[index][PAYLOAD // 2 :]
         assert digest == DIGESTS[index]
     assert assembler.span(0, 0) is not None and bytes(assembler.span(0, 0)) == LAYERS[0]
+
+
+# --- runs of whole objects (FetchLanding.run) -------------------------------------------------
+
+
+def run_of(object_ids: list[int], payloads: list[bytes] | None = None, group: int = 0) -> ObjectRun:
+    """An :class:`ObjectRun` of whole objects, one after another in one buffer, each with a
+    header of 3 filler octets before its payload."""
+    data, objects = bytearray(), []
+    for at, object_id in enumerate(object_ids):
+        payload = LAYERS[object_id] if payloads is None else payloads[at]
+        data += b"hdr"
+        objects.append((group, 0, object_id, 0, (), len(data), len(payload)))
+        data += payload
+    return ObjectRun(memoryview(bytes(data)), objects, sum(item[6] for item in objects))
+
+
+@settings(max_examples=50, deadline=None)
+@given(split=st.integers(0, 4), hash_below=st.sampled_from([None, 0]))
+def test_a_run_lands_as_the_pieces_and_ends_would(split: int, hash_below: int | None) -> None:
+    by_pieces, by_run = Landed(hash_below=hash_below), Landed(hash_below=hash_below)
+    for index, layer in enumerate(LAYERS):
+        by_pieces.send(header(index), layer, [])
+    # objects before the split arrive as pieces, the rest as one run
+    for index in range(split):
+        by_run.send(header(index), LAYERS[index], [7])
+    if split < 4:
+        by_run.landing.run(run_of(list(range(split, 4))))
+    assert by_run.landing.error is None
+
+    def octets(landed: Landed) -> list[tuple[int, bytes, bytes]]:
+        return [(x.index, bytes(x.k), bytes(x.v)) for x in landed.assembler.layers()]
+
+    assert octets(by_run) == octets(by_pieces) and by_run.assembler.complete
+    if hash_below is None:  # checked inline: one wake for the run
+        assert by_run.wakes == split + (split < 4)
+        assert [bytes(x.k) + bytes(x.v) for x in by_run.ready()] == LAYERS
+    else:  # queued for a hash job, as the pieces' layers are
+        assert by_run.wakes == 0 and by_run.checks.pending
+
+
+def test_a_layer_of_a_run_that_fails_its_digest_is_kept_as_the_error() -> None:
+    landed = Landed(digests=[DIGESTS[0], DIGESTS[0], DIGESTS[2], DIGESTS[3]])
+    landed.landing.run(run_of([0, 1, 2, 3]))
+    assert isinstance(landed.landing.error, DigestMismatch)
+    assert [layer.index for layer in landed.ready()] == [0]  # nothing after the mismatch
+
+
+def test_an_object_of_a_run_that_is_not_a_layer_is_kept_as_the_error() -> None:
+    for bad in (
+        run_of([0, 0]),  # a layer twice
+        run_of([0, 1], group=1),  # outside group 0
+        run_of([0, 1], [LAYERS[0], LAYERS[1][:-2]]),  # another payload length
+        run_of([0], [b""]),  # no payload
+    ):
+        landed = Landed()
+        landed.landing.run(bad)
+        assert isinstance(landed.landing.error, ContainerError)
+        progress = landed.landing.progress
+        landed.landing.run(run_of([2, 3]))  # ignored
+        assert landed.landing.progress == progress + 1 and not landed.assembler.complete
+
+
+def test_a_run_inside_an_open_object_is_kept_as_the_error() -> None:
+    landed = Landed()
+    landed.landing.payload(header(0), memoryview(LAYERS[0][:5]), 0)  # object 0 is still open
+    landed.landing.run(run_of([1]))
+    assert isinstance(landed.landing.error, ContainerError)
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2], [1, 2, 3, 0], [2, 3]])
+def test_a_runs_layers_in_any_order_are_hashed_and_checked_each_against_its_own_digest(
+    monkeypatch: pytest.MonkeyPatch, order: list[int], accelerated: bool
+) -> None:
+    if accelerated and not sha256x2.ACCELERATED:
+        pytest.skip("kvsp._sha256x2 is not built here")
+    monkeypatch.setattr(sha256x2, "ACCELERATED", accelerated)
+    landed = Landed()
+    landed.landing.run(run_of(order))
+    assert landed.landing.error is None and landed.wakes == 1
+    assert sorted(layer.index for layer in landed.ready()) == sorted(order)
+    for wrong in order:  # each layer is checked against its own digest, wherever it is
+        digests = list(DIGESTS)
+        digests[wrong] = DIGESTS[(wrong + 1) % 4]
+        landed = Landed(digests=digests)
+        landed.landing.run(run_of(order))
+        assert isinstance(landed.landing.error, DigestMismatch)
+        handed = [layer.index for layer in landed.ready()]
+        assert handed == order[: order.index(wrong)]
+
+
+def test_a_watchdog_made_unarmed_starts_its_timer_at_the_first_arm() -> None:
+    async def test() -> None:
+        stalls: list[int] = []
+        dog = Watchdog(0.01, lambda: stalls.append(1), armed=False)
+        await asyncio.sleep(0.05)
+        assert not dog.fired and not stalls  # no timer yet: a consumer that never waited
+        dog.arm()
+        dog.arm()  # once started, arming again changes nothing
+        for _ in range(100):
+            if dog.fired:
+                break
+            await asyncio.sleep(0.01)
+        assert dog.fired and stalls == [1]
+        dog.cancel()
+        Watchdog(1, lambda: None, armed=False).cancel()  # never armed: nothing to cancel
+
+    asyncio.run(test())

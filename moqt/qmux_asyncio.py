@@ -76,13 +76,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 Carrier = Literal["tls", "tcp", "unix"]
 TLSEngine = Literal["inline", "thread", "asyncio"]
-DEFAULT_TLS_ENGINE: TLSEngine = "asyncio"
-"""How a tls carrier processes its records: ``asyncio`` with asyncio's TLS transport on the
-event loop, or ``thread`` on a worker thread beside it (:mod:`moqt.qmux_tls`). asyncio's is the
-default: the worker has to take the GIL back after every 16 KiB record it decrypts, and a loop
-busy parsing and landing what arrived holds the GIL up to the interpreter's switch interval, so
-on CPython the worker's records wait on the loop instead of overlapping with it, and the worker
-adds its hand-offs to the process's CPU (see :mod:`moqt.qmux_tls`)."""
+DEFAULT_TLS_ENGINE: TLSEngine = "inline"
+"""Who processes a tls carrier's records: ``inline``, our record pump on the event loop with
+records decrypted in bulk (:mod:`moqt.qmux_tls`); ``thread``, the same pump on a worker thread
+per connection; or ``asyncio``, asyncio's own TLS transport. ``inline`` is the default: it
+does per chunk what asyncio's transport does per record, and sends ciphertext without joining
+it; ``thread`` overlaps the records with the loop but costs more CPU in all (its hand-offs),
+so it only pays where a core would otherwise be idle."""
 WRITE_BATCH = 4 << 20  # bytes framed per data_to_send call while the carrier takes them
 TLS_WRITE_BATCH = 256 << 10  # over TLS: each batch is encrypted, then sent (see transmit)
 WRITE_HIGH_WATER = 8 << 20  # the transport's buffer above which the pump pauses

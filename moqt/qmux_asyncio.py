@@ -24,7 +24,8 @@ holds nothing (asyncio 3.11's ``writelines`` would join them), over TLS through
 ``writelines``, which encrypts each buffer as it is (joining them first into larger chunks
 costs more than the small records it saves) in batches of :data:`TLS_WRITE_BATCH` bytes: the
 TLS transport encrypts all it is handed before it sends any of it, so a whole block handed at
-once would reach the peer only when all of it is encrypted. ``pause_writing`` stops
+once would reach the peer only when all of it is encrypted (:data:`DEFAULT_TLS_ENGINE` says
+who processes the records). ``pause_writing`` stops
 the pump; ``resume_writing`` transmits and wakes the connection's writers. The idle timeout
 runs on ``loop.call_at``.
 """
@@ -53,15 +54,18 @@ from .qmux import (
     QMuxConfig,
     QMuxConnection,
 )
+from .qmux_tls import TLSWorkerTransport, open_tls_connection, serve_tls
 from .session import MOQTSession, SessionConfig
 from .transport import tune_socket
 from .wire import Bytes
 
 __all__ = [
+    "DEFAULT_TLS_ENGINE",
     "QMuxEndpoint",
     "QMuxProtocol",
     "QMuxServer",
     "ReceiveBuffers",
+    "TLSEngine",
     "client_ssl_context",
     "connect_qmux",
     "require_loopback",
@@ -71,6 +75,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 Carrier = Literal["tls", "tcp", "unix"]
+TLSEngine = Literal["inline", "thread", "asyncio"]
+DEFAULT_TLS_ENGINE: TLSEngine = "inline"
+"""Who processes a tls carrier's records: ``inline``, our record pump on the event loop with
+records decrypted in bulk (:mod:`moqt.qmux_tls`); ``thread``, the same pump on a worker thread
+per connection; or ``asyncio``, asyncio's own TLS transport. ``inline`` is the default: it
+does per chunk what asyncio's transport does per record, and sends ciphertext without joining
+it; ``thread`` overlaps the records with the loop but costs more CPU in all (its hand-offs),
+so it only pays where a core would otherwise be idle."""
 WRITE_BATCH = 4 << 20  # bytes framed per data_to_send call while the carrier takes them
 TLS_WRITE_BATCH = 256 << 10  # over TLS: each batch is encrypted, then sent (see transmit)
 WRITE_HIGH_WATER = 8 << 20  # the transport's buffer above which the pump pauses
@@ -251,6 +263,7 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         self._batch = TLS_WRITE_BATCH if carrier == "tls" else WRITE_BATCH
         self._transport: asyncio.Transport | None = None
         self._sock: socket.socket | None = None  # the raw socket, for sendmsg
+        self._tls: TLSWorkerTransport | None = None  # a server's, before its handshake
         self._paused = False
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None
@@ -263,8 +276,7 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         """Check ALPN (tls), tune the socket, send our transport parameters."""
         self._transport = transport = _as_transport(transport)
         if self._carrier == "tls":
-            ssl_object = transport.get_extra_info("ssl_object")
-            agreed = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
+            agreed = _agreed_alpn(transport)
             if agreed != ALPN_MOQT_16_QMUX:  # qmux §7.1 MUST: both sides abort
                 self.quic.carrier_closed(f"TLS ALPN {ALPN_MOQT_16_QMUX!r} not agreed ({agreed!r})")
                 self._process_events()
@@ -399,6 +411,17 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         except TimeoutError:
             if self._transport is not None:
                 self._transport.abort()
+            elif self._tls is not None:  # still in its TLS handshake
+                self._tls.abort()
+
+
+def _agreed_alpn(transport: asyncio.Transport) -> str | None:
+    """The ALPN identifier the TLS handshake agreed (None: none)."""
+    if isinstance(transport, TLSWorkerTransport):
+        agreed: str | None = transport.get_extra_info("alpn_protocol")
+        return agreed
+    ssl_object = transport.get_extra_info("ssl_object")
+    return ssl_object.selected_alpn_protocol() if ssl_object is not None else None
 
 
 def _as_transport(transport: asyncio.BaseTransport) -> asyncio.Transport:
@@ -439,15 +462,19 @@ async def connect_qmux(
     qmux: QMuxConfig | None = None,
     setup_timeout: float = 10.0,
     trusted_network: bool = False,
+    tls_engine: TLSEngine | None = None,
 ) -> AsyncIterator[MOQTConnection]:
     """Connect over ``endpoint``'s carrier, complete the MOQT setup, yield the connection;
     close it on exit. ``path`` and ``auth_token`` go into CLIENT_SETUP as with
-    :func:`moqt.asyncio.connect`; ``ssl_context`` defaults to :func:`client_ssl_context`.
+    :func:`moqt.asyncio.connect`; ``ssl_context`` defaults to :func:`client_ssl_context`;
+    ``tls_engine`` (default :data:`DEFAULT_TLS_ENGINE`) picks who processes TLS records.
 
     Raises:
         ValueError: plain TCP to a non-loopback host without ``trusted_network``.
         SessionClosedError: the session ended during setup (ALPN or protocol not agreed).
-        OSError: the carrier could not connect. TimeoutError: no setup in time.
+        ssl.SSLError: the TLS handshake failed (ssl.SSLCertVerificationError: the server's
+            certificate). OSError: the carrier could not connect. TimeoutError: no setup in
+            time.
     """
     loop = asyncio.get_running_loop()
     authority = None if endpoint.carrier == "unix" else f"{endpoint.host}:{endpoint.port}"
@@ -458,7 +485,10 @@ async def connect_qmux(
             is_client=True, carrier=endpoint.carrier, qmux=qmux, session_config=config
         )
 
-    protocol = await _open(loop, endpoint, factory, ssl_context, server_hostname, trusted_network)
+    engine = tls_engine or DEFAULT_TLS_ENGINE
+    protocol = await _open(
+        loop, endpoint, factory, ssl_context, server_hostname, trusted_network, engine
+    )
     connection = protocol.moqt
     try:
         await asyncio.wait_for(connection.wait_setup(), setup_timeout)
@@ -478,6 +508,7 @@ async def _open(
     ssl_context: ssl.SSLContext | None,
     server_hostname: str | None,
     trusted_network: bool,
+    engine: TLSEngine,
 ) -> QMuxProtocol:
     protocol: QMuxProtocol
     if endpoint.carrier == "unix":
@@ -489,6 +520,18 @@ async def _open(
         _, protocol = await loop.create_connection(factory, host, port)
         return protocol
     context = ssl_context or client_ssl_context()
+    if engine != "asyncio":
+        protocol = factory()
+        await open_tls_connection(
+            protocol,
+            host,
+            port,
+            context=context,
+            server_hostname=server_hostname or host,
+            plain_buffers=ReceiveBuffers(),
+            threaded=engine == "thread",
+        )
+        return protocol
     _, protocol = await loop.create_connection(
         factory, host, port, ssl=context, server_hostname=server_hostname or host
     )
@@ -545,12 +588,15 @@ async def serve_qmux(
     trusted_network: bool = False,
     unix_mode: int = UNIX_MODE,
     setup_timeout: float = SETUP_TIMEOUT,
+    tls_engine: TLSEngine | None = None,
 ) -> QMuxServer:
     """Listen on ``endpoint`` (port 0 picks one) and call ``handler(connection)`` after each
     client's setup; a handler that raises closes its session with INTERNAL_ERROR. A tls
     endpoint needs ``ssl_context`` (:func:`server_ssl_context`); a unix socket file is
-    created with ``unix_mode`` permissions. A connection whose TLS handshake and MOQT setup
-    are not complete ``setup_timeout`` seconds after it was accepted is aborted.
+    created with ``unix_mode`` permissions; ``tls_engine`` (default
+    :data:`DEFAULT_TLS_ENGINE`) picks who processes TLS records. A connection whose TLS
+    handshake and MOQT setup are not complete ``setup_timeout`` seconds after it was accepted
+    is aborted.
 
     Raises:
         ValueError: plain TCP on a non-loopback address without ``trusted_network``, or tls
@@ -560,10 +606,7 @@ async def serve_qmux(
     loop = asyncio.get_running_loop()
     holder: list[QMuxServer] = []
 
-    def factory() -> QMuxProtocol:
-        protocol = QMuxProtocol(
-            is_client=False, carrier=endpoint.carrier, qmux=qmux, session_config=session_config
-        )
+    def register(protocol: QMuxProtocol) -> QMuxProtocol:
         server = holder[0]
         server.protocols.add(protocol)
         protocol.lost.add_done_callback(lambda _: server.protocols.discard(protocol))
@@ -573,6 +616,24 @@ async def serve_qmux(
         bound = loop.call_later(setup_timeout, _abort_without_setup, protocol, setup_timeout)
         protocol.lost.add_done_callback(lambda _: bound.cancel())
         return protocol
+
+    def factory() -> QMuxProtocol:
+        return register(
+            QMuxProtocol(
+                is_client=False,
+                carrier=endpoint.carrier,
+                qmux=qmux,
+                session_config=session_config,
+            )
+        )
+
+    def tls_protocol() -> tuple[QMuxProtocol, ReceiveBuffers]:
+        return factory(), ReceiveBuffers()
+
+    def bind(tls: TLSWorkerTransport) -> None:  # before the handshake: the bound can abort it
+        protocol = tls.get_protocol()
+        assert isinstance(protocol, QMuxProtocol)
+        protocol._tls = tls
 
     server: asyncio.Server
     host, port = str(endpoint.host), int(endpoint.port or 0)
@@ -585,9 +646,20 @@ async def serve_qmux(
     else:
         if ssl_context is None:
             raise ValueError("a tls endpoint needs ssl_context (server_ssl_context())")
-        server = await loop.create_server(
-            factory, host, port, ssl=ssl_context, ssl_handshake_timeout=setup_timeout
-        )
+        engine = tls_engine or DEFAULT_TLS_ENGINE
+        if engine != "asyncio":
+            server = await serve_tls(
+                tls_protocol,
+                host,
+                port,
+                context=ssl_context,
+                accepted=bind,
+                threaded=engine == "thread",
+            )
+        else:
+            server = await loop.create_server(
+                factory, host, port, ssl=ssl_context, ssl_handshake_timeout=setup_timeout
+            )
     holder.append(QMuxServer(server, endpoint))
     return holder[0]
 
@@ -600,6 +672,8 @@ def _abort_without_setup(protocol: QMuxProtocol, timeout: float) -> None:
     transport = protocol._transport
     if transport is not None:
         transport.abort()
+    elif protocol._tls is not None:  # the TLS handshake never finished (worker engine)
+        protocol._tls.fail(TimeoutError(f"no TLS handshake within {timeout} s"))
     else:  # the TLS handshake never finished: asyncio never connects the protocol
         protocol.connection_lost(TimeoutError(f"no TLS handshake within {timeout} s"))
 

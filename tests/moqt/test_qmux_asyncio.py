@@ -30,6 +30,7 @@ from moqt.qmux_asyncio import (
     QMuxEndpoint,
     QMuxServer,
     ReceiveBuffers,
+    TLSEngine,
     client_ssl_context,
     connect_qmux,
     require_loopback,
@@ -45,7 +46,7 @@ TRACK = b"block"
 LIVE = b"live"
 OBJECT = 2 << 20
 OBJECTS = [hashlib.sha256(b"object%d" % i).digest() * (OBJECT // 32) for i in range(3)]
-CARRIERS = ["tls", "tcp", "unix"]
+CARRIERS = ["tls", "tls-thread", "tls-inline", "tcp", "unix"]  # tls-*: moqt.qmux_tls engines
 Client = Callable[[MOQTConnection], Awaitable[None]]
 Handler = Callable[[MOQTConnection], Awaitable[None]]
 
@@ -93,7 +94,8 @@ class Carrier:
     """How to serve and reach one carrier in a test."""
 
     def __init__(self, kind: str, certs: tuple[Path, Path], tmp_path: Path) -> None:
-        self.kind = kind
+        self.kind, _, engine = kind.partition("-")
+        self.engine: TLSEngine | None = engine or None  # type: ignore[assignment]
         self.cert, self.key = (str(path) for path in certs)
         self.sock = str(tmp_path / "moqt.sock")
 
@@ -129,6 +131,7 @@ def run(
             handler=handler,
             ssl_context=carrier.server_context(),
             qmux=server_qmux,
+            tls_engine=carrier.engine,
         )
         try:
             async with connect_qmux(
@@ -137,6 +140,7 @@ def run(
                 server_hostname="localhost",
                 path="/kvsp",
                 qmux=client_qmux,
+                tls_engine=carrier.engine,
             ) as connection:
                 await asyncio.wait_for(client(connection), 30)
         finally:
@@ -283,7 +287,10 @@ def test_peer_vanishing_mid_transfer_is_a_session_closed_error(carrier: Carrier)
 # --- refusals -------------------------------------------------------------------------------
 
 
-def test_tls_alpn_mismatch_is_refused_on_both_sides(certs: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("engine", ["asyncio", "thread", "inline"])
+def test_tls_alpn_mismatch_is_refused_on_both_sides(
+    certs: tuple[Path, Path], engine: TLSEngine
+) -> None:
     cert, key = (str(path) for path in certs)
     reached: list[MOQTConnection] = []
 
@@ -295,6 +302,7 @@ def test_tls_alpn_mismatch_is_refused_on_both_sides(certs: tuple[Path, Path]) ->
             QMuxEndpoint("tls", "127.0.0.1", 0),
             handler=handler,
             ssl_context=server_ssl_context(cert, key),
+            tls_engine=engine,
         )
         host, port = server.address  # type: ignore[misc]
         try:
@@ -302,13 +310,19 @@ def test_tls_alpn_mismatch_is_refused_on_both_sides(certs: tuple[Path, Path]) ->
             other.set_alpn_protocols(["moqt-16"])  # the QUIC identifier, not QMux's
             with pytest.raises(SessionClosedError, match="ALPN"):
                 async with connect_qmux(
-                    QMuxEndpoint("tls", host, port), ssl_context=other, server_hostname="localhost"
+                    QMuxEndpoint("tls", host, port),
+                    ssl_context=other,
+                    server_hostname="localhost",
+                    tls_engine=engine,
                 ):
                     pass
             wrong_server = server_ssl_context(cert, key)
             wrong_server.set_alpn_protocols(["h2"])
             second = await serve_qmux(
-                QMuxEndpoint("tls", "127.0.0.1", 0), handler=handler, ssl_context=wrong_server
+                QMuxEndpoint("tls", "127.0.0.1", 0),
+                handler=handler,
+                ssl_context=wrong_server,
+                tls_engine=engine,
             )
             host2, port2 = second.address  # type: ignore[misc]
             with pytest.raises((SessionClosedError, ConnectionError)):
@@ -316,6 +330,7 @@ def test_tls_alpn_mismatch_is_refused_on_both_sides(certs: tuple[Path, Path]) ->
                     QMuxEndpoint("tls", host2, port2),
                     ssl_context=client_ssl_context(cafile=cert),
                     server_hostname="localhost",
+                    tls_engine=engine,
                 ):
                     pass
             second.close()

@@ -46,10 +46,6 @@ class RequestTimeout(TransportError):
     """The request did not complete within its deadline."""
 
 
-class ConnectFailed(TransportError):
-    """The connection could not be opened: no octet of the request left."""
-
-
 # -- the connection ------------------------------------------------------------------------------
 
 
@@ -422,7 +418,7 @@ class BulkClient:
             )
         except OSError as exc:
             where = f"{origin.scheme}://{origin.authority}"
-            raise ConnectFailed(f"cannot connect to {where}: {exc}") from exc
+            raise TransportError(f"cannot connect to {where}: {exc}") from exc
         return conn, False
 
     def _release(self, conn: _Connection) -> None:

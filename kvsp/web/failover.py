@@ -130,17 +130,20 @@ _ANSWER_TYPES = frozenset(PROBLEM_PREFIX + p for p in ANSWER_PROBLEMS)
 
 
 def _not_sent(exc: TransportError) -> bool:
-    """Whether a transport failure happened before the request's first octet left: the bulk
-    client's :class:`~kvsp.transfer.bulk.ConnectFailed`, or an httpx connect or pool failure
-    (both imported here: the command line imports this module for its flags alone)."""
+    """Whether a transport failure happened before the request's first octet left: a
+    :class:`NotSent`, or an httpx connect or pool failure (httpx imported here: the command
+    line imports this module for its flags alone)."""
     import httpx
 
-    from kvsp.transfer.bulk import ConnectFailed
-
     cause = exc.__cause__
-    return isinstance(exc, ConnectFailed) or isinstance(
+    return isinstance(exc, NotSent) or isinstance(
         cause, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
     )
+
+
+class NotSent(TransportError):
+    """A transport failure before any octet of the request left (the connection could not be
+    opened): a failover moves on from it even for a request that is not safe to resend."""
 
 
 class Failover:
@@ -209,6 +212,7 @@ __all__ = [
     "FAILOVER_STATUSES",
     "AppendUrls",
     "Failover",
+    "NotSent",
     "add_url_list_argument",
     "fails_over",
     "url_list",

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from kvsp.compat import CompatibilityDescriptor, compat_id
-from kvsp.errors import KVSPError, RecordError, RemoteError
+from kvsp.errors import KVSPError, RecordError, RemoteError, TransportError
 from kvsp.fields import Fields
 from kvsp.ids import CompatId, parse_compat_id, uri_id
 from kvsp.records import (
@@ -43,6 +43,7 @@ from kvsp.web.client import (
     error_from_problem,
     problem_error,
 )
+from kvsp.web.failover import NotSent
 from kvsp.web.problems import KVSP_JSON
 from kvsp.web.trust import Trust
 
@@ -129,9 +130,14 @@ class IndexClient(BaseClient):
         headers = self._headers[base]
         if content is not None:
             headers = {**headers, "content-type": KVSP_JSON}
-        answer = await bulk.request(
-            method, base + path, headers=headers, body=content, consumer=self._answers
-        )
+        try:
+            answer = await bulk.request(
+                method, base + path, headers=headers, body=content, consumer=self._answers
+            )
+        except TransportError as exc:
+            if isinstance(exc.__cause__, OSError):  # the bulk client's failed connect, only
+                raise NotSent(str(exc)) from exc.__cause__
+            raise
         data = answer.body.data if isinstance(answer.body, BytesBody) else b""
         response = httpx.Response(answer.status, headers=answer.head.headers, content=bytes(data))
         if response.is_success or (accept_404 and response.status_code == 404):

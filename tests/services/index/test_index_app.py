@@ -37,11 +37,10 @@ from kvsp.services.index.app import IndexConfig, create_index_app, index_lifespa
 from kvsp.services.index.client import IndexClient
 from kvsp.stores.descriptors import DescriptorRegistry
 from kvsp.stores.memory import MemoryStore
-from kvsp.transfer.bulk import ConnectFailed
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.client import error_from_problem, problem_error
 from kvsp.web.clock import ManualClock
-from kvsp.web.failover import fails_over
+from kvsp.web.failover import NotSent, fails_over
 from kvsp.web.problems import KVSP_JSON
 from kvsp.web.testing import InProcessClient
 from tests.support.polling import until
@@ -806,7 +805,7 @@ def test_index_client_round_trip(env: Env) -> None:
 
 
 def test_transport_failures_become_transport_errors() -> None:
-    """Over the bulk transport (the default) a refused connection is ConnectFailed, which a
+    """Over the bulk transport (the default) a refused connection is NotSent, which a
     failover may move on from even for a POST that is not resent; over an httpx client, the
     httpx error stays the cause."""
 
@@ -814,7 +813,7 @@ def test_transport_failures_become_transport_errors() -> None:
         async with IndexClient("http://127.0.0.1:9/", "t", timeout=2.0, client=client) as index:
             await index.lookup(LookupRequest.from_json(lookup_body(0)))
 
-    with pytest.raises(ConnectFailed) as refused:
+    with pytest.raises(NotSent) as refused:
         run(scenario(None))
     assert isinstance(refused.value.__cause__, OSError)
     assert refused.value.status == 502

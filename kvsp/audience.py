@@ -73,10 +73,12 @@ def same_origin(a: str, b: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1024)
 def lease_base_allowed(holder: str, lease_base: str) -> bool:
     """Whether a record naming ``holder`` may send lease requests to ``lease_base``: the same
     origin as an http(s) holder; for a ``moqt`` holder (a relay, whose HTTP face listens on
-    another port) an http(s) base on the holder's own host."""
+    another port) an http(s) base on the holder's own host. Remembered for recent pairs: every
+    record of a relay's copy in a lookup answer names the same two."""
     try:
         home, base = urlsplit(holder), urlsplit(lease_base)
         home_host, base_host = home.hostname, base.hostname

@@ -569,17 +569,32 @@ def encode_container_parts(
         for i, (k, v) in enumerate(layers)
     ]
     lengths = tuple((k.nbytes, v.nbytes) for k, v in views)
+    header = _encoded_header(codec, first_layer, token_count, lengths, geometry)
+    return [header, *(part for pair in views for part in pair)]
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded_header(
+    codec: int,
+    first_layer: int,
+    token_count: int,
+    lengths: tuple[tuple[int, int], ...],
+    geometry: Geometry | None,
+) -> bytes:
+    """The checked header of an encoding (:func:`check_lengths`, then the wire form); the
+    blocks of one model share a few shapes, so recent ones are remembered (the arguments are
+    integers already checked, and an error is raised each time, never remembered)."""
     check_lengths(codec, first_layer, token_count, lengths, geometry, _ENCODER_LIMITS)
     header = ContainerHeader(
         version=KVB1_VERSION,
         flags=0,
         codec=codec,
         first_layer=first_layer,
-        layer_count=len(views),
+        layer_count=len(lengths),
         token_count=token_count,
         lengths=lengths,
     )
-    return [header.encode(), *(part for pair in views for part in pair)]
+    return header.encode()
 
 
 def _section_view(data: Buffer, layer: int, section: str) -> memoryview:

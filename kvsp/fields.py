@@ -17,6 +17,7 @@ from kvsp.errors import InvalidIdentifier, RecordError
 
 UINT64_MAX = 2**64 - 1
 _ABSENT = object()
+_INF = float("inf")
 
 
 def type_name(value: object) -> str:
@@ -98,6 +99,8 @@ class Fields:
         value = self.raw(key, optional=optional, nullable=nullable)
         if value is None:
             return None
+        if type(value) is int and minimum <= value <= maximum:
+            return value  # the common case, without formatting the path an error would name
         return check_int(value, self.at(key), minimum=minimum, maximum=maximum)
 
     def number(
@@ -111,6 +114,8 @@ class Fields:
         value = self.raw(key, optional=optional, nullable=nullable)
         if value is None:
             return None
+        if type(value) is float and minimum <= value < _INF:
+            return value  # finite and in range (NaN fails the comparison)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise RecordError(f"expected a number, got {type_name(value)}", path=self.at(key))
         try:
@@ -169,7 +174,12 @@ class Fields:
             RecordError: missing or not 64 lowercase hex digits.
         """
         value = self.raw(key, optional=optional)
-        return None if value is None else parse_hex32_at(value, self.at(key))
+        if value is None:
+            return None
+        try:
+            return ids.parse_hex32(value)
+        except InvalidIdentifier as exc:  # the path is formatted only for the error
+            raise RecordError(exc.detail, path=self.at(key)) from None
 
     def hex16(self, key: str, *, optional: bool = False) -> Any:
         """A hex16 member as 16 octets.
@@ -178,7 +188,12 @@ class Fields:
             RecordError: missing or not 32 lowercase hex digits.
         """
         value = self.raw(key, optional=optional)
-        return None if value is None else parse_hex16_at(value, self.at(key))
+        if value is None:
+            return None
+        try:
+            return ids.parse_hex16(value)
+        except InvalidIdentifier as exc:  # the path is formatted only for the error
+            raise RecordError(exc.detail, path=self.at(key)) from None
 
     def digest(self, key: str, *, optional: bool = False) -> Any:
         """A ``"sha-256:<hex32>"`` member as 32 octets.
@@ -187,7 +202,12 @@ class Fields:
             RecordError: missing or not of that form.
         """
         value = self.raw(key, optional=optional)
-        return None if value is None else parse_digest_at(value, self.at(key))
+        if value is None:
+            return None
+        try:
+            return ids.parse_digest(value)
+        except InvalidIdentifier as exc:  # the path is formatted only for the error
+            raise RecordError(exc.detail, path=self.at(key)) from None
 
 
 def check_int(value: object, path: str, *, minimum: int = 0, maximum: int = UINT64_MAX) -> int:

@@ -235,8 +235,10 @@ def read_pair(value: object, path: str, *, half_open: bool) -> tuple[int, int]:
     items = as_list(value, path)
     if len(items) != 2:
         raise RecordError(f"expected [start, end], got {len(items)} elements", path=path)
-    first = check_int(items[0], f"{path}[0]", maximum=UINT32_MAX)
-    last = check_int(items[1], f"{path}[1]", maximum=UINT32_MAX)
+    first, last = items
+    if not (type(first) is int and type(last) is int and 0 <= first <= last <= UINT32_MAX):
+        first = check_int(first, f"{path}[0]", maximum=UINT32_MAX)
+        last = check_int(last, f"{path}[1]", maximum=UINT32_MAX)
     if first > last or (half_open and first == last):
         rule = "start < end" if half_open else "first <= last"
         raise RecordError(f"range must have {rule}, got [{first}, {last}]", path=path)

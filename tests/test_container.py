@@ -485,3 +485,18 @@ def test_encoding_takes_any_contiguous_sections_and_names_the_layer_of_one_that_
     strided = np.zeros(32, np.uint8)[::2]
     with pytest.raises(ContainerError, match="layer 5 V is not a contiguous"):
         encode_container([(octets, bytes(v)), (octets, strided)], first_layer=4, token_count=1)
+
+
+def test_remembered_headers_never_let_a_bad_encoding_through() -> None:
+    """The checked header of a shape is remembered: the same shape encodes byte-exactly again,
+    a bool where an integer belongs is still refused after the integer's header was
+    remembered, and lengths the codec forbids raise on every attempt."""
+    k, v = bytes(range(8)), bytes(range(8, 16))
+    first = encode_container([(k, v)], first_layer=1, token_count=2)
+    assert encode_container([(k, v)], first_layer=1, token_count=2) == first
+    assert decode_container(first).layers[0].k.tobytes() == k
+    with pytest.raises(ContainerError):
+        encode_container([(k, v)], first_layer=True, token_count=2)
+    for _ in range(2):
+        with pytest.raises(ContainerError, match="V length"):
+            encode_container([(k, v[:6])], first_layer=1, token_count=2)

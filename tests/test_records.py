@@ -1486,3 +1486,78 @@ def test_records_are_frozen_and_keyword_only() -> None:
 def test_public_names_are_exported() -> None:
     for name in records.__all__:
         assert hasattr(records, name), name
+
+
+def _residency_record(**changes: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "block_key": "ab" * 32,
+        "compat_id": "cd" * 32,
+        "scope_id": "ef" * 16,
+        "holder": "http://h.example/",
+        "codec": 1,
+        "size": 100,
+        "digest": "sha-256:" + "01" * 32,
+        "layer_digests": ["02" * 32, "03" * 32],
+        "residency": [{"tier": "host", "layers": [0, 1], "read_mbit_per_s": 400.5}],
+        "ttl_ms": 1000,
+    }
+    record.update(changes)
+    return record
+
+
+@pytest.mark.parametrize(
+    ("changes", "path"),
+    [
+        ({"block_key": "AB" * 32}, "$.block_key"),
+        ({"block_key": 7}, "$.block_key"),
+        ({"scope_id": "ef" * 15}, "$.scope_id"),
+        ({"digest": "sha-256:" + "0" * 63}, "$.digest"),
+        ({"digest": "sha256:" + "01" * 32}, "$.digest"),
+        ({"codec": 0x10000}, "$.codec"),
+        ({"codec": True}, "$.codec"),
+        ({"size": -1}, "$.size"),
+        ({"ttl_ms": 2**64}, "$.ttl_ms"),
+        ({"residency": [{"tier": "host", "layers": [1, 0]}]}, "$.residency[0].layers"),
+        ({"residency": [{"tier": "host", "layers": [0, 2**32]}]}, "$.residency[0].layers[1]"),
+        ({"residency": [{"tier": "host", "layers": [0.5, 1]}]}, "$.residency[0].layers[0]"),
+        ({"residency": [{"tier": "host", "layers": [True, 1]}]}, "$.residency[0].layers[0]"),
+        (
+            {"residency": [{"tier": "host", "layers": [0, 1], "read_mbit_per_s": -1.5}]},
+            "$.residency[0].read_mbit_per_s",
+        ),
+        (
+            {"residency": [{"tier": "host", "layers": [0, 1], "read_mbit_per_s": 0.0}]},
+            "$.residency[0].read_mbit_per_s",
+        ),
+        (
+            {"residency": [{"tier": "host", "layers": [0, 1], "read_mbit_per_s": float("nan")}]},
+            "$.residency[0].read_mbit_per_s",
+        ),
+        (
+            {"residency": [{"tier": "host", "layers": [0, 1], "read_mbit_per_s": float("inf")}]},
+            "$.residency[0].read_mbit_per_s",
+        ),
+    ],
+)
+def test_record_fields_read_without_paths_still_name_them_when_bad(
+    changes: dict[str, Any], path: str
+) -> None:
+    """Integers, floats, hex identifiers and layer pairs are read without formatting their JSON
+    path; a bad one still raises at its exact path."""
+    with pytest.raises(RecordError) as caught:
+        ReplicaRecord.from_json(_residency_record(**changes))
+    assert caught.value.path == path
+
+
+def test_record_fast_reads_keep_the_values() -> None:
+    record = ReplicaRecord.from_json(_residency_record(codec=0xFFFF, ttl_ms=2**64 - 1))
+    assert record.codec == 0xFFFF and record.ttl_ms == 2**64 - 1
+    assert record.block_key == bytes.fromhex("ab" * 32) and record.scope_id == b"\xef" * 16
+    assert record.digest == b"\x01" * 32
+    assert record.residency is not None
+    assert (record.residency[0].first, record.residency[0].last) == (0, 1)
+    assert record.residency[0].read_mbit_per_s == 400.5
+    integral = ReplicaRecord.from_json(
+        _residency_record(residency=[{"tier": "host", "layers": [0, 1], "read_mbit_per_s": 3}])
+    )
+    assert integral.residency is not None and integral.residency[0].read_mbit_per_s == 3.0

@@ -118,7 +118,7 @@ def fails_over(exc: KVSPError, *, resend: bool) -> bool:
     connection did not open) moves on regardless.
     """
     if isinstance(exc, TransportError):
-        return resend or _not_sent(exc.__cause__)
+        return resend or _not_sent(exc)
     if not resend:
         return False
     if isinstance(exc, RemoteError):
@@ -129,12 +129,21 @@ def fails_over(exc: KVSPError, *, resend: bool) -> bool:
 _ANSWER_TYPES = frozenset(PROBLEM_PREFIX + p for p in ANSWER_PROBLEMS)
 
 
-def _not_sent(cause: BaseException | None) -> bool:
-    """Whether an httpx failure happened before the request's first octet left (imported here:
-    the command line imports this module for its flags alone)."""
+def _not_sent(exc: TransportError) -> bool:
+    """Whether a transport failure happened before the request's first octet left: a
+    :class:`NotSent`, or an httpx connect or pool failure (httpx imported here: the command
+    line imports this module for its flags alone)."""
     import httpx
 
-    return isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+    cause = exc.__cause__
+    return isinstance(exc, NotSent) or isinstance(
+        cause, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout
+    )
+
+
+class NotSent(TransportError):
+    """A transport failure before any octet of the request left (the connection could not be
+    opened): a failover moves on from it even for a request that is not safe to resend."""
 
 
 class Failover:
@@ -203,6 +212,7 @@ __all__ = [
     "FAILOVER_STATUSES",
     "AppendUrls",
     "Failover",
+    "NotSent",
     "add_url_list_argument",
     "fails_over",
     "url_list",

@@ -8,6 +8,12 @@ answers are checked as records, so a peer's malformed answer raises
 A client given several IS base URLs fails over between them (:mod:`kvsp.web.failover`); of
 the POSTs, ``lookup`` (a read) and the batch publication (a set of PUTs) are sent again to the
 next IS when an answer was lost.
+
+Unless it is handed an ``httpx`` client (an ASGI transport in tests, a shared pool), the
+requests go over the bulk HTTP/1.1 client (:mod:`kvsp.transfer.bulk`), with the same headers,
+bodies, error mapping and failover: an instance sends the IS a lookup, lease-free publications
+and status records for every directive, and each request over ``httpx`` costs several times
+the CPU of the whole exchange over the bulk client's keep-alive connections.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
+
 from kvsp.compat import CompatibilityDescriptor, compat_id
-from kvsp.errors import KVSPError, RecordError, RemoteError
+from kvsp.errors import KVSPError, RecordError, RemoteError, TransportError
 from kvsp.fields import Fields
 from kvsp.ids import CompatId, parse_compat_id, uri_id
 from kvsp.records import (
@@ -26,7 +34,21 @@ from kvsp.records import (
     ReplicaRecord,
     StateAnswer,
 )
-from kvsp.web.client import BaseClient, decode_answer, error_from_problem
+from kvsp.transfer.bulk import BulkClient
+from kvsp.transfer.http11 import BytesBody
+from kvsp.web.client import (
+    DEFAULT_TIMEOUT_S,
+    BaseClient,
+    decode_answer,
+    error_from_problem,
+    problem_error,
+)
+from kvsp.web.failover import NotSent
+from kvsp.web.problems import KVSP_JSON
+from kvsp.web.trust import Trust
+
+MAX_ANSWER_BYTES = 64 << 20
+"""The largest IS answer body the bulk transport takes (a lookup of many keys)."""
 
 
 def replica_path(compat_id: bytes, scope_id: bytes, key: bytes, holder: str) -> str:
@@ -65,10 +87,62 @@ def _compat_of(obj: Any) -> CompatId:
 
 
 class IndexClient(BaseClient):
-    """An async client of one IS (``async with IndexClient(base, token) as index: ...``)."""
+    """An async client of one IS (``async with IndexClient(base, token) as index: ...``).
+
+    Without ``client`` the requests go over a :class:`~kvsp.transfer.bulk.BulkClient` (see the
+    module docstring); with one, over that ``httpx`` client.
+    """
 
     control_plane = True  # the IS takes the bearer token itself
     service = "IS"
+
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        token: str | None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        client: httpx.AsyncClient | None = None,
+        trust: Trust | None = None,
+        service: str | None = None,
+    ) -> None:
+        super().__init__(
+            base_url, token, timeout=timeout, client=client, trust=trust, service=service
+        )
+        self._bulk: BulkClient | None = None
+        if client is None:
+            context = None if trust is None else trust.ssl_context()
+            self._bulk = BulkClient(timeout=timeout, ssl=context)
+        self._answers = BytesBody.factory(MAX_ANSWER_BYTES)
+
+    async def aclose(self) -> None:
+        """Close the connections (of an ``httpx`` client only if this client made it)."""
+        if self._bulk is not None:
+            await self._bulk.aclose()
+        await super().aclose()
+
+    async def _send(
+        self, method: str, base: str, path: str, content: bytes | None, accept_404: bool
+    ) -> httpx.Response:
+        bulk = self._bulk
+        if bulk is None:
+            return await super()._send(method, base, path, content, accept_404)
+        headers = self._headers[base]
+        if content is not None:
+            headers = {**headers, "content-type": KVSP_JSON}
+        try:
+            answer = await bulk.request(
+                method, base + path, headers=headers, body=content, consumer=self._answers
+            )
+        except TransportError as exc:
+            if isinstance(exc.__cause__, OSError):  # the bulk client's failed connect, only
+                raise NotSent(str(exc)) from exc.__cause__
+            raise
+        data = answer.body.data if isinstance(answer.body, BytesBody) else b""
+        response = httpx.Response(answer.status, headers=answer.head.headers, content=bytes(data))
+        if response.is_success or (accept_404 and response.status_code == 404):
+            return response
+        raise problem_error(response)
 
     async def publish(self, record: ReplicaRecord) -> int:
         """PUT a Replica Record (§6.1); returns the granted TTL in milliseconds.

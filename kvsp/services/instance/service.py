@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvsp.compat import compat_id
-from kvsp.container import Container, Geometry, decode_container
+from kvsp.container import Container, Geometry, Layer, decode_container, header_size
 from kvsp.engine.api import GREEDY, EngineSequence, InferenceEngine, Sampling
 from kvsp.errors import (
     BadRequest,
@@ -88,7 +88,7 @@ from kvsp.records import (
     ReplicaRecord,
     StateAnswer,
 )
-from kvsp.registries import InstanceState
+from kvsp.registries import InstanceState, Tier
 from kvsp.services.holder import Holder
 from kvsp.services.instance.outcomes import DirectiveTally, Loaded
 from kvsp.services.instance.pipeline import (
@@ -1053,8 +1053,8 @@ class InstanceAgent:
                 finally:
                     if hold is not None:
                         hold.release()
-                held = self.engine.hold(ref.key, block)
                 stored = await self._keep(ref, block)
+                held = self.engine.hold(ref.key, self._engine_copy(stored, block))
                 if stored is None:
                     if held:
                         return Loaded(True, source=base, octets=octets)
@@ -1070,6 +1070,15 @@ class InstanceAgent:
         finally:
             if expected:
                 self.replicas.forget()
+
+    def _engine_copy(self, stored: StoredBlock | bool | None, block: Container) -> Container:
+        """The block for the engine to hold: views of the holder's host copy when the holder
+        has just stored it there (so that the engine and the holder share one copy, and the
+        received buffer goes back to the client's pool for the next transfer), else
+        ``block`` itself."""
+        if not isinstance(stored, StoredBlock) or stored.tier is not Tier.HOST:
+            return block
+        return _views_of(self.holder.store.read(stored), block)
 
     async def _keep(self, ref: BlockRef, block: VerifiedBlock) -> StoredBlock | bool | None:
         """Store a verified block in the holder's tiers without publishing it: the stored
@@ -1138,6 +1147,31 @@ class InstanceAgent:
 def _payload(block: Container) -> int:
     """The octets of a block's K and V sections (what a transfer moved, header aside)."""
     return sum(layer.k.nbytes + layer.v.nbytes for layer in block.layers)
+
+
+def _views_of(data: memoryview, block: Container) -> Container:
+    """``block`` over ``data``, which holds ``block``'s encoding (§4.3): the same header
+    fields, each layer's K and V a view of ``data`` at its place. ``block`` itself when
+    ``data`` is not of that encoding's size."""
+    offset = header_size(block.layer_count)
+    if data.nbytes != offset + _payload(block):
+        return block
+    data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    layers = []
+    for layer in block.layers:
+        k_end = offset + layer.k.nbytes
+        end = k_end + layer.v.nbytes
+        layers.append(Layer(layer.index, data[offset:k_end], data[k_end:end]))
+        offset = end
+    return Container(
+        version=block.version,
+        flags=block.flags,
+        codec=block.codec,
+        first_layer=block.first_layer,
+        layer_count=block.layer_count,
+        token_count=block.token_count,
+        layers=tuple(layers),
+    )
 
 
 def _octets(block: Container) -> bytes:

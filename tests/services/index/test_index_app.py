@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+import uvicorn
 
 from kvsp import errors
 from kvsp.compat import CompatibilityDescriptor, compat_id
@@ -39,6 +40,8 @@ from kvsp.stores.memory import MemoryStore
 from kvsp.web.auth import Principals, principal_entry
 from kvsp.web.client import error_from_problem, problem_error
 from kvsp.web.clock import ManualClock
+from kvsp.web.failover import NotSent, fails_over
+from kvsp.web.problems import KVSP_JSON
 from kvsp.web.testing import InProcessClient
 from tests.support.polling import until
 
@@ -802,14 +805,92 @@ def test_index_client_round_trip(env: Env) -> None:
 
 
 def test_transport_failures_become_transport_errors() -> None:
-    async def scenario() -> None:
-        async with IndexClient("http://127.0.0.1:9/", "t", timeout=2.0) as client:
-            await client.lookup(LookupRequest.from_json(lookup_body(0)))
+    """Over the bulk transport (the default) a refused connection is NotSent, which a
+    failover may move on from even for a POST that is not resent; over an httpx client, the
+    httpx error stays the cause."""
+
+    async def scenario(client: httpx.AsyncClient | None) -> None:
+        async with IndexClient("http://127.0.0.1:9/", "t", timeout=2.0, client=client) as index:
+            await index.lookup(LookupRequest.from_json(lookup_body(0)))
+
+    with pytest.raises(NotSent) as refused:
+        run(scenario(None))
+    assert isinstance(refused.value.__cause__, OSError)
+    assert refused.value.status == 502
+    assert fails_over(refused.value, resend=False)
+
+    async def with_httpx() -> None:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            await scenario(http)
 
     with pytest.raises(TransportError) as caught:
-        run(scenario())
+        run(with_httpx())
     assert isinstance(caught.value.__cause__, httpx.TransportError)
     assert caught.value.status == 502
+    assert fails_over(caught.value, resend=False)
+
+
+def test_the_bulk_transport_sends_what_httpx_sends() -> None:
+    """The default (bulk) transport and an httpx client put the same method, path, headers
+    and body on the wire, and read answers and problems alike."""
+    seen: list[tuple[str, str, dict[str, str], bytes]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        seen.append((scope["method"], scope["path"], headers, body))
+        if scope["path"].endswith("/lookup"):
+            status, payload, kind = 200, {"matched": 0, "replicas": []}, KVSP_JSON
+        else:
+            problem = {
+                "type": errors.PROBLEM_PREFIX + "kvsp-forbidden",
+                "status": 403,
+                "detail": "no",
+            }
+            status, payload, kind = 403, problem, "application/problem+json"
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", kind.encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+    async def scenario() -> None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        base = f"http://127.0.0.1:{port}/is/"
+        request = LookupRequest.from_json(lookup_body(0))
+        try:
+            async with httpx.AsyncClient() as http:
+                for client in (None, http):
+                    async with IndexClient(base, "tok", client=client) as index:
+                        answer = await index.lookup(request)
+                        assert answer.matched == 0
+                        with pytest.raises(errors.Forbidden, match="no"):
+                            await index.withdraw_holder("http://h/")
+        finally:
+            server.should_exit = True
+            await task
+
+    run(scenario())
+    assert len(seen) == 4
+    for bulk, other in ((seen[0], seen[2]), (seen[1], seen[3])):
+        assert bulk[:2] == other[:2] and bulk[3] == other[3]
+        for name in ("authorization", "accept", "content-type", "host"):
+            assert bulk[2].get(name) == other[2].get(name), name
 
 
 def _answer(status_code: int, body: Any, content_type: str) -> httpx.Response:

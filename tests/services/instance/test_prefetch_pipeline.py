@@ -269,6 +269,37 @@ def test_blocks_load_in_prefix_order_with_leases_and_publications_per_batch(
     source.assert_no_lease_leaked(keys)
 
 
+def test_the_engine_and_the_holder_share_one_copy_and_receive_buffers_go_back(
+    tmp_path: Path, source: Source
+) -> None:
+    """A pipelined block kept in the holder's host tier is held by the engine as views of
+    that copy (the same octets, no second copy), so the buffer it was received in goes back
+    to the client's pool once the block is placed."""
+    index = CountingIndex()
+    keys = stored_keys(source, index, 6)
+    client = CountingClient()
+
+    async def scenario() -> None:
+        clock = ManualClock(1_000_000)
+        async with running_agent(tmp_path, index, client, clock) as agent:
+            progress = agent.accept_directive(directive_for(keys, source.url))
+            await agent.wait_directive(progress)
+            assert progress.state is DirectiveState.COMPLETE, progress.detail
+            held = agent.engine.lookup(keys)
+            assert len(held) == len(keys)
+            for key, block in zip(keys, held, strict=True):
+                stored = agent.holder.store.get(BlockRef(COMPAT, SCOPE, key))
+                assert stored is not None
+                octets = agent.holder.store.read(stored)
+                assert all(layer.k.obj is octets.obj for layer in block.layers)
+                assert all(layer.v.obj is octets.obj for layer in block.layers)
+                assert block.encode() == container(key) == bytes(octets)
+            await until(lambda: client.buffers.idle_bytes > 0, what="a buffer back in the pool")
+
+    asyncio.run(scenario())
+    source.assert_no_lease_leaked(keys)
+
+
 def test_a_block_no_source_holds_ends_the_prefix_and_its_batch_still_leases(
     tmp_path: Path, source: Source
 ) -> None:

@@ -15,6 +15,7 @@ import ssl
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from hypothesis import given, settings
@@ -287,7 +288,7 @@ def test_peer_vanishing_mid_transfer_is_a_session_closed_error(carrier: Carrier)
 # --- refusals -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("engine", ["asyncio", "thread", "inline"])
+@pytest.mark.parametrize("engine", get_args(TLSEngine))
 def test_tls_alpn_mismatch_is_refused_on_both_sides(
     certs: tuple[Path, Path], engine: TLSEngine
 ) -> None:

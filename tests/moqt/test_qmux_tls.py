@@ -16,7 +16,7 @@ import random
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -268,7 +268,7 @@ def test_a_stalled_reader_bounds_the_writer(certs: tuple[str, str], threaded: bo
     run(certs, body, threaded, paused=True)
 
 
-@pytest.mark.parametrize("engine", ["asyncio", "thread", "inline"])
+@pytest.mark.parametrize("engine", get_args(TLSEngine))
 def test_handshake_with_an_untrusted_certificate_is_a_verification_error(
     certs: tuple[str, str], tmp_path: Path, engine: TLSEngine
 ) -> None:

@@ -15,19 +15,19 @@ draft-nandakumar-moq-qmux-moqt-00 for MOQT over QMux:
   access boundary, and MOQT authorization tokens still apply.
 
 :class:`QMuxProtocol` is the pump, an :class:`asyncio.BufferedProtocol`: the carrier reads
-straight into a large buffer (``recv_into`` on a plain socket; over TLS asyncio decrypts into
-it), up to a MiB a read, and the bytes go to the :class:`~moqt.qmux.QMuxConnection` as
-read-only slices that are never overwritten (:class:`ReceiveBuffers`), so stream data stays
-slices of them; events go to the MOQT session, and one transmit follows each read. Writes
-are lists of buffers: on a plain socket they go out with one ``sendmsg`` while the transport
-holds nothing (asyncio 3.11's ``writelines`` would join them), over TLS through
-``writelines``, which encrypts each buffer as it is (joining them first into larger chunks
-costs more than the small records it saves) in batches of :data:`TLS_WRITE_BATCH` bytes: the
-TLS transport encrypts all it is handed before it sends any of it, so a whole block handed at
-once would reach the peer only when all of it is encrypted (:data:`DEFAULT_TLS_ENGINE` says
-who processes the records). ``pause_writing`` stops
-the pump; ``resume_writing`` transmits and wakes the connection's writers. The idle timeout
-runs on ``loop.call_at``.
+straight into a large buffer (``recv_into`` on a plain socket; over TLS the records are
+decrypted into one, see :data:`DEFAULT_TLS_ENGINE`), up to a MiB a read, and the bytes go to
+the :class:`~moqt.qmux.QMuxConnection` as read-only slices that are never overwritten
+(:class:`ReceiveBuffers`), so stream data stays slices of them; events go to the MOQT session,
+and one transmit follows each read. Writes are lists of buffers: on a plain socket they go out
+with one ``sendmsg`` while the transport holds nothing (asyncio 3.11's ``writelines`` would
+join them), over TLS through ``writelines``, which encrypts each buffer as it is (joining them
+first into larger chunks costs more than the small records it saves) in batches of
+:data:`TLS_WRITE_BATCH` bytes: the TLS transport encrypts all it is handed before it sends any
+of it, so a whole block handed at once would reach the peer only when all of it is encrypted
+(:data:`DEFAULT_TLS_ENGINE` says who processes the records). ``pause_writing`` stops the pump;
+``resume_writing`` transmits and wakes the connection's writers. The idle timeout runs on
+``loop.call_at``.
 """
 
 from __future__ import annotations

@@ -33,8 +33,10 @@ which the transport closes; ``connection_lost(exc)`` with the :class:`ssl.SSLErr
 that cannot be decrypted; a handshake failure (certificate verification, no common version)
 raises from :func:`open_tls_connection` as the same exception, and a connection closed during
 the handshake as :class:`ConnectionResetError`. :meth:`~TLSWorkerTransport.close` sends
-close_notify after what was written and then closes the socket without waiting for the peer's
-(RFC 8446 §6.1 allows it). Protocols get plaintext through ``data_received`` (a
+close_notify after what was written, then FIN, and reads on (discarding) until the peer's FIN or
+close_notify, at most :data:`LINGER` seconds: RFC 8446 §6.1 does not require waiting for the
+peer's close_notify, but a socket closed with unread bytes queued is reset, and the peer then
+loses what it had not yet read. Protocols get plaintext through ``data_received`` (a
 :class:`asyncio.BufferedProtocol` must accept it there too, as
 :class:`~moqt.qmux_asyncio.QMuxProtocol` does). The worker ends when the socket is lost.
 :data:`~moqt.qmux_asyncio.DEFAULT_TLS_ENGINE` says which one QMux uses.
@@ -73,6 +75,7 @@ READ_QUEUE = 8  # socket reads waiting for the worker above which the socket is 
 PLAIN_CHUNK = 256 << 10  # plaintext the worker hands over at once (less when it runs out)
 WIRE_CHUNK = 256 << 10  # ciphertext the worker hands over at once while encrypting
 HANDSHAKE_TIMEOUT = 60.0  # seconds, asyncio's default for a TLS client handshake
+LINGER = 5.0  # seconds a closed connection reads on after its close_notify and FIN
 DEFAULT_HIGH_WATER = 64 << 10  # asyncio's default write limits
 _POOL_MAX = READ_QUEUE + 2  # spare socket read buffers kept
 
@@ -467,6 +470,9 @@ class TLSWorkerTransport(asyncio.Transport):
         self._high, self._low = DEFAULT_HIGH_WATER, DEFAULT_HIGH_WATER // 4
         self._writing_paused = False
         self._wire_full = False
+        self._shutdown_sent = False  # our close_notify and FIN are out: reading to the end
+        self._peer_ended = False  # its close_notify (or FIN) was handed on
+        self._linger: asyncio.TimerHandle | None = None
 
     @property
     def worker_thread(self) -> threading.Thread | None:
@@ -492,6 +498,9 @@ class TLSWorkerTransport(asyncio.Transport):
 
     def _tcp_eof(self) -> None:
         self._tcp_eof_seen = True
+        if self._shutdown_sent and self._sock is not None:
+            self._sock.close()  # the end of a close we began
+            return
         self._worker.submit((_EOF,))
 
     def _wire_paused(self, paused: bool) -> None:
@@ -500,6 +509,8 @@ class TLSWorkerTransport(asyncio.Transport):
 
     def _carrier_lost(self, exc: Exception | None) -> None:
         self._lost = self._closing = True
+        if self._linger is not None:
+            self._linger.cancel()
         self._worker.submit((_STOP,))
         error = self._error or exc
         if not self.handshake.done():
@@ -545,7 +556,7 @@ class TLSWorkerTransport(asyncio.Transport):
                 self.handshake.set_result(None)
             self._connected = True
             self._protocol.connection_made(self)
-        if report.plain and self._connected:
+        if report.plain and self._connected and not self._shutdown_sent:
             self._held.extend(report.plain)
         if report.error is not None:
             self._fatal(report.error)
@@ -554,7 +565,23 @@ class TLSWorkerTransport(asyncio.Transport):
             self._held_eof = report.eof
         self._deliver()
         if report.shutdown and self._sock is not None:
-            self._sock.close()
+            self._shut_down(self._sock)
+
+    def _shut_down(self, sock: asyncio.Transport) -> None:
+        """Our close_notify is written: send FIN after it and read on (discarding) until the
+        peer's FIN, its close_notify or :data:`LINGER` seconds. Closing a socket whose
+        receive queue holds unread bytes (a session ticket, the peer's last data) makes the
+        kernel answer with a reset instead of a FIN, and the peer loses what it was sending."""
+        if self._shutdown_sent:
+            return
+        self._shutdown_sent = True
+        if self._tcp_eof_seen or self._peer_ended or not sock.can_write_eof():
+            sock.close()  # the peer has ended already: nothing more to wait for
+            return
+        sock.write_eof()
+        self._held.clear()  # what arrives now is read and dropped, as after asyncio's close
+        self._control_reading()
+        self._linger = self._loop.call_later(LINGER, sock.abort)
 
     def fail(self, error: BaseException) -> None:
         """Abort the connection; the protocol's ``connection_lost`` (or the handshake) gets
@@ -583,9 +610,13 @@ class TLSWorkerTransport(asyncio.Transport):
             self._sock.abort()
 
     def _eof(self, how: str) -> None:
-        if self._connected and not self._lost:
+        self._peer_ended = True
+        if self._connected and not self._lost and not self._shutdown_sent:
             self._protocol.eof_received()  # type: ignore[attr-defined]
-        if how == "tcp":  # nothing more can come: close without close_notify, as asyncio
+        if self._shutdown_sent:  # the peer's answer to our close
+            if self._sock is not None:
+                self._sock.close()
+        elif how == "tcp":  # nothing more can come: close without close_notify, as asyncio
             self._closing = True
             if self._sock is not None:
                 self._sock.close()
@@ -598,7 +629,8 @@ class TLSWorkerTransport(asyncio.Transport):
         sock = self._sock
         if sock is None or self._lost:
             return
-        stop = self._reading_paused or self._reads >= READ_QUEUE
+        paused = self._reading_paused and not self._shutdown_sent  # a closing one drains
+        stop = paused or self._reads >= READ_QUEUE
         if stop and not self._socket_paused:
             self._socket_paused = True
             sock.pause_reading()
@@ -629,7 +661,8 @@ class TLSWorkerTransport(asyncio.Transport):
         return self._closing
 
     def close(self) -> None:
-        """Send close_notify after what was written, then close the socket."""
+        """Send close_notify after what was written, then FIN; the socket closes at the
+        peer's FIN or close_notify (at most :data:`LINGER` seconds later)."""
         if self._closing:
             return
         self._closing = True

@@ -200,6 +200,28 @@ def test_close_notify_ends_both_sides_cleanly(certs: tuple[str, str], threaded: 
     run(certs, body, threaded)
 
 
+def test_a_close_with_unread_data_queued_ends_cleanly(
+    certs: tuple[str, str], threaded: bool
+) -> None:
+    """The closing side reads on after its close_notify and FIN: a socket closed with bytes
+    still queued is reset, and the peer would see ECONNRESET instead of the close."""
+
+    async def body(tls: TLSWorkerTransport, client: Peer, served: list[Peer]) -> None:
+        tls.pause_reading()  # what the server sends stays queued at the client
+        while not served or served[0].transport is None:
+            await asyncio.sleep(0.01)
+        served[0].transport.write(bytes(4 * MiB))
+        await asyncio.sleep(0.3)
+        assert len(client.received) < 4 * MiB
+        tls.close()
+        assert await served[0].lost is None
+        assert served[0].events == ["made", "eof", "lost"]
+        assert await client.lost is None
+        await ended(tls)
+
+    run(certs, body, threaded)
+
+
 def test_abrupt_eof_without_close_notify_is_an_eof(certs: tuple[str, str], threaded: bool) -> None:
     async def body(tls: TLSWorkerTransport, client: Peer, served: list[Peer]) -> None:
         tls.write(b"x" * 100_000)

@@ -71,6 +71,7 @@ MOQT_SHELLS = {
     "moqt.transport",
     "moqt.udp_endpoint",
     "moqt.qmux_asyncio",
+    "moqt.qmux_tls",
     "moqt.client",
     "moqt.server",
 }

@@ -9,7 +9,7 @@ are not asked for are ignored. Absent and ``null`` stay distinct: ``optional`` a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kvsp import ids
@@ -167,19 +167,24 @@ class Fields:
         value = self.raw(key, optional=optional, nullable=nullable)
         return None if value is None else Fields(value, self.at(key))
 
+    def _identifier(self, key: str, parse: Callable[[object], bytes], optional: bool) -> Any:
+        """The member ``key`` parsed by ``parse`` (None when absent and allowed); its path is
+        formatted only for an error, which names it."""
+        value = self.raw(key, optional=optional)
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except InvalidIdentifier as exc:
+            raise RecordError(exc.detail, path=self.at(key)) from None
+
     def hex32(self, key: str, *, optional: bool = False) -> Any:
         """A hex32 member as 32 octets.
 
         Raises:
             RecordError: missing or not 64 lowercase hex digits.
         """
-        value = self.raw(key, optional=optional)
-        if value is None:
-            return None
-        try:
-            return ids.parse_hex32(value)
-        except InvalidIdentifier as exc:  # the path is formatted only for the error
-            raise RecordError(exc.detail, path=self.at(key)) from None
+        return self._identifier(key, ids.parse_hex32, optional)
 
     def hex16(self, key: str, *, optional: bool = False) -> Any:
         """A hex16 member as 16 octets.
@@ -187,13 +192,7 @@ class Fields:
         Raises:
             RecordError: missing or not 32 lowercase hex digits.
         """
-        value = self.raw(key, optional=optional)
-        if value is None:
-            return None
-        try:
-            return ids.parse_hex16(value)
-        except InvalidIdentifier as exc:  # the path is formatted only for the error
-            raise RecordError(exc.detail, path=self.at(key)) from None
+        return self._identifier(key, ids.parse_hex16, optional)
 
     def digest(self, key: str, *, optional: bool = False) -> Any:
         """A ``"sha-256:<hex32>"`` member as 32 octets.
@@ -201,13 +200,7 @@ class Fields:
         Raises:
             RecordError: missing or not of that form.
         """
-        value = self.raw(key, optional=optional)
-        if value is None:
-            return None
-        try:
-            return ids.parse_digest(value)
-        except InvalidIdentifier as exc:  # the path is formatted only for the error
-            raise RecordError(exc.detail, path=self.at(key)) from None
+        return self._identifier(key, ids.parse_digest, optional)
 
 
 def check_int(value: object, path: str, *, minimum: int = 0, maximum: int = UINT64_MAX) -> int:

@@ -147,3 +147,16 @@ def redis_url(redis_server: str) -> Iterator[str]:
             client.unlink(*keys)
     finally:
         client.close()
+
+
+@pytest.fixture(params=["hashlib", "native"])
+def lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A test run with :mod:`kvsp.sha256x2`'s hashlib fallback and, where built, its native
+    paired SHA lanes."""
+    from kvsp import sha256x2
+
+    if request.param == "hashlib":
+        monkeypatch.setattr(sha256x2, "PAIRED", False)
+    elif not sha256x2.PAIRED:
+        pytest.skip("kvsp._sha256x2 offers no digest_pair here")
+    return str(request.param)

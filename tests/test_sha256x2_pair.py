@@ -7,18 +7,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-import pytest
-
 from kvsp import sha256x2
-
-
-@pytest.fixture(params=["hashlib", "native"])
-def lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "hashlib":
-        monkeypatch.setattr(sha256x2, "PAIRED", False)
-    elif not sha256x2.PAIRED:
-        pytest.skip("kvsp._sha256x2 offers no digest_pair here")
-    return str(request.param)
 
 
 def cut(message: bytes, rng: random.Random) -> list[sha256x2.Buffer]:

@@ -34,16 +34,6 @@ STREAM = 5
 UPSTREAM_RESET = 0x7
 
 
-@pytest.fixture(params=["hashlib", "native"])
-def lanes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test runs with the hashlib fallback and, where built, the native paired lanes."""
-    if request.param == "hashlib":
-        monkeypatch.setattr(sha256x2, "PAIRED", False)
-    elif not sha256x2.PAIRED:
-        pytest.skip("kvsp._sha256x2 offers no digest_pair here")
-    return str(request.param)
-
-
 class Hashing:
     """Records which layers were hashed together and which alone (still hashing them)."""
 

@@ -252,10 +252,16 @@ class ReceiveBuffers:
         return self._readonly[start:end]
 
 
-def _prefaulted(size: int) -> mmap.mmap:
+def _prefaulted(size: int) -> mmap.mmap | bytearray:
     """``size`` bytes of fresh anonymous memory, every page mapped (and zeroed) by the kernel
-    in this one call."""
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    in this one call; a ``bytearray`` where the kernel refuses another mapping (a process may
+    hold ``vm.max_map_count`` of them, 65,530 by default: 64 GiB of 1 MiB buffers)."""
+    try:
+        return mmap.mmap(
+            -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        )
+    except OSError:
+        return bytearray(size)
 
 
 def _unviewed(buffer: bytearray | mmap.mmap) -> bool:

@@ -519,6 +519,24 @@ def test_receive_buffers_unmap_a_prefaulted_buffer_once_its_last_slice_is_gone()
     assert owner() is None
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="no MAP_POPULATE here")
+def test_receive_buffers_fall_back_to_bytearrays_when_no_mapping_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that holds vm.max_map_count mappings (a relay with a cache of 64 GiB of
+    1 MiB buffers) gets ENOMEM from mmap: the connection goes on with bytearrays."""
+    buffers = ReceiveBuffers(size=1000, min_read=300)
+    first = fill(buffers, 1, 1000)
+
+    def no_more(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_more)
+    second = fill(buffers, 2, 1000)
+    assert type(second.obj) is bytearray
+    assert first == b"\x01" * 1000 and second == b"\x02" * 1000
+
+
 def test_tls_hands_its_transport_batches_so_the_peer_decrypts_while_more_is_encrypted(
     certs: tuple[Path, Path], tmp_path: Path
 ) -> None:

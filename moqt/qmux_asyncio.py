@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import mmap
 import os
 import socket
 import ssl
@@ -176,23 +177,50 @@ class ReceiveBuffers:
     and one read takes up to ``size`` bytes.
 
     The buffer given up last is kept, and taken again instead of a fresh one once no view of
-    it is left: a ``bytearray`` refuses to be resized while anything views it (BufferError),
-    so a resize that succeeds proves every slice handed out is gone. A consumer that copies
-    what it reads (a FETCH landing in its block buffer) thus alternates two buffers whose
-    pages stay mapped, instead of zero-filling a fresh one per ``size`` bytes received; one
-    that keeps slices gets fresh buffers as before. A connection holds at most two buffers.
+    it is left: a ``bytearray`` refuses to be resized while anything views it, and so does an
+    ``mmap`` (BufferError), so a resize that succeeds proves every slice handed out is gone. A
+    consumer that copies what it reads (a FETCH landing in its block buffer) thus alternates
+    two buffers whose pages stay mapped; one that keeps slices (a relay caching what it
+    forwards) needs fresh memory for every buffer. A connection holds at most two buffers.
+
+    Fresh memory is zero-filled twice when it is a ``bytearray`` (by the kernel as each 4 KiB
+    page faults in on first touch, then by Python), one fault per page. So once a connection
+    has filled a whole buffer (it carries bulk data, not just control messages), its later
+    buffers are anonymous private mappings made with ``MAP_POPULATE`` (``prefault``): the
+    kernel maps and zeroes all their pages in the one ``mmap`` call, and nothing else writes
+    them before the carrier does. Such a mapping is unmapped when its last slice is gone, as a
+    ``bytearray`` is freed. Where ``MAP_POPULATE`` does not exist every buffer is a
+    ``bytearray``.
     """
 
-    __slots__ = ("size", "min_read", "_buffer", "_writable", "_readonly", "_filled", "_spare")
+    __slots__ = (
+        "size",
+        "min_read",
+        "prefault",
+        "_buffer",
+        "_writable",
+        "_readonly",
+        "_filled",
+        "_spare",
+        "_bulk",
+    )
 
-    def __init__(self, size: int = RECEIVE_BUFFER, min_read: int = RECEIVE_MIN_READ) -> None:
+    def __init__(
+        self,
+        size: int = RECEIVE_BUFFER,
+        min_read: int = RECEIVE_MIN_READ,
+        *,
+        prefault: bool = True,
+    ) -> None:
         self.size = size
         self.min_read = min_read
-        self._buffer = bytearray()
+        self.prefault = prefault and hasattr(mmap, "MAP_POPULATE")
+        self._buffer: bytearray | mmap.mmap = bytearray()
         self._writable = memoryview(self._buffer)
         self._readonly = self._writable.toreadonly()
         self._filled = 0
-        self._spare: bytearray | None = None  # the buffer given up last
+        self._spare: bytearray | mmap.mmap | None = None  # the buffer given up last
+        self._bulk = False  # a whole buffer was filled: later ones are prefaulted
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """The free tail to read into; another buffer when the tail is under ``min_read``
@@ -204,10 +232,12 @@ class ReceiveBuffers:
 
     def _replace(self, size: int) -> None:
         old, spare = self._buffer, self._spare
+        if len(old) >= self.size:
+            self._bulk = self.prefault
         buffer = spare if spare is not None and len(spare) == size and _unviewed(spare) else None
         self._spare = old if len(old) == self.size else spare
         if buffer is None:
-            buffer = bytearray(size)
+            buffer = _prefaulted(size) if self._bulk else bytearray(size)
         self._buffer = buffer
         # our own views of the old buffer go with these: only the slices handed out hold it
         self._writable = memoryview(buffer)
@@ -222,14 +252,32 @@ class ReceiveBuffers:
         return self._readonly[start:end]
 
 
-def _unviewed(buffer: bytearray) -> bool:
-    """Whether no view of ``buffer`` is alive (it may then be written again): a bytearray
-    that anything views cannot be resized. Its length and octets are left as they were."""
+def _prefaulted(size: int) -> mmap.mmap | bytearray:
+    """``size`` bytes of fresh anonymous memory, every page mapped (and zeroed) by the kernel
+    in this one call; a ``bytearray`` where the kernel refuses another mapping (a process may
+    hold ``vm.max_map_count`` of them, 65,530 by default: 64 GiB of 1 MiB buffers)."""
     try:
-        buffer.append(0)
+        return mmap.mmap(
+            -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        )
+    except OSError:
+        return bytearray(size)
+
+
+def _unviewed(buffer: bytearray | mmap.mmap) -> bool:
+    """Whether no view of ``buffer`` is alive (it may then be written again): a bytearray or
+    an mmap that anything views cannot be resized. Its length and octets are left as they
+    were."""
+    try:
+        if isinstance(buffer, mmap.mmap):
+            buffer.resize(len(buffer))
+        else:
+            buffer.append(0)
+            del buffer[-1]
     except BufferError:
         return False
-    del buffer[-1]
+    except (OSError, SystemError):  # an mmap this platform cannot resize: never written again
+        return False
     return True
 
 

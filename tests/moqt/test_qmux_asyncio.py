@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import mmap
 import os
 import ssl
 import stat
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import get_args
@@ -405,8 +407,13 @@ def test_endpoint_needs_its_address_parts() -> None:
         QMuxEndpoint("udp", "127.0.0.1", 1)  # type: ignore[arg-type]
 
 
-def test_receive_buffers_hand_out_read_only_bytes_never_overwritten() -> None:
-    buffers = ReceiveBuffers(size=1000, min_read=300)
+BUFFER_KINDS = pytest.mark.parametrize("prefault", [False, True], ids=["bytearray", "prefaulted"])
+"""Every buffer a bytearray, or those after the first whole one prefaulted mappings."""
+
+
+@BUFFER_KINDS
+def test_receive_buffers_hand_out_read_only_bytes_never_overwritten(prefault: bool) -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300, prefault=prefault)
     tail = buffers.get_buffer(-1)
     assert len(tail) == 1000
     tail[:600] = b"a" * 600
@@ -435,8 +442,9 @@ def fill(buffers: ReceiveBuffers, octet: int, count: int) -> memoryview:
     return buffers.filled(count)
 
 
-def test_receive_buffers_take_a_buffer_again_once_no_slice_of_it_is_left() -> None:
-    buffers = ReceiveBuffers(size=1000, min_read=300)
+@BUFFER_KINDS
+def test_receive_buffers_take_a_buffer_again_once_no_slice_of_it_is_left(prefault: bool) -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300, prefault=prefault)
     first = fill(buffers, 1, 1000)
     owner = first.obj
     del first  # every slice of the first buffer is gone
@@ -447,8 +455,9 @@ def test_receive_buffers_take_a_buffer_again_once_no_slice_of_it_is_left() -> No
     assert second == b"\x02" * 1000
 
 
-def test_receive_buffers_never_write_a_buffer_that_a_slice_still_views() -> None:
-    buffers = ReceiveBuffers(size=1000, min_read=300)
+@BUFFER_KINDS
+def test_receive_buffers_never_write_a_buffer_that_a_slice_still_views(prefault: bool) -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300, prefault=prefault)
     kept = fill(buffers, 1, 1000)[10:20]  # a slice of a slice: it still views the buffer
     copy = memoryview(kept)  # and a view made from it
     del kept
@@ -460,8 +469,11 @@ def test_receive_buffers_never_write_a_buffer_that_a_slice_still_views() -> None
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 1000), st.booleans()), min_size=1, max_size=40))
-def test_receive_buffers_keep_every_held_slice_intact(reads: list[tuple[int, bool]]) -> None:
-    buffers = ReceiveBuffers(size=1000, min_read=300)
+@BUFFER_KINDS
+def test_receive_buffers_keep_every_held_slice_intact(
+    prefault: bool, reads: list[tuple[int, bool]]
+) -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300, prefault=prefault)
     held: list[tuple[memoryview, bytes]] = []
     for index, (count, keep) in enumerate(reads):
         tail = buffers.get_buffer(-1)
@@ -472,6 +484,57 @@ def test_receive_buffers_keep_every_held_slice_intact(reads: list[tuple[int, boo
             held.append((data, bytes(data)))
         del data, tail
         assert all(view == expected for view, expected in held)
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="no MAP_POPULATE here")
+def test_receive_buffers_prefault_the_buffers_of_a_connection_that_filled_one() -> None:
+    """The first buffer is a bytearray (a connection may carry only control messages); once
+    one was filled, fresh buffers are prefaulted mappings, and a hint larger than the size
+    gets one too."""
+    buffers = ReceiveBuffers(size=1000, min_read=300)
+    first = fill(buffers, 1, 700)
+    assert type(first.obj) is bytearray
+    second = fill(buffers, 2, 300)  # 300 free is not under min_read: the same buffer
+    assert second.obj is first.obj and len(second) == 300
+    third = fill(buffers, 3, 1000)  # the first was filled: a prefaulted mapping
+    assert type(third.obj) is mmap.mmap and len(third.obj) == 1000
+    assert len(buffers.get_buffer(5000)) == 5000
+    fourth = buffers.filled(5000)
+    assert type(fourth.obj) is mmap.mmap and len(fourth.obj) == 5000
+    assert first == b"\x01" * 700 and second == b"\x02" * 300 and third == b"\x03" * 1000
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="no MAP_POPULATE here")
+def test_receive_buffers_unmap_a_prefaulted_buffer_once_its_last_slice_is_gone() -> None:
+    """A relay caches slices: each buffer lives while a slice of it does, and no longer (it is
+    neither the current buffer nor the spare by then)."""
+    buffers = ReceiveBuffers(size=1000, min_read=300)
+    fill(buffers, 0, 1000)
+    kept = fill(buffers, 1, 1000)[100:200]  # a slice of a prefaulted buffer, kept
+    owner = weakref.ref(kept.obj)
+    for octet in range(2, 6):  # more buffers: the kept one is neither current nor spare
+        fill(buffers, octet, 1000)
+    assert owner() is not None and kept == b"\x01" * 100
+    del kept
+    assert owner() is None
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="no MAP_POPULATE here")
+def test_receive_buffers_fall_back_to_bytearrays_when_no_mapping_is_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process that holds vm.max_map_count mappings (a relay with a cache of 64 GiB of
+    1 MiB buffers) gets ENOMEM from mmap: the connection goes on with bytearrays."""
+    buffers = ReceiveBuffers(size=1000, min_read=300)
+    first = fill(buffers, 1, 1000)
+
+    def no_more(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_more)
+    second = fill(buffers, 2, 1000)
+    assert type(second.obj) is bytearray
+    assert first == b"\x01" * 1000 and second == b"\x02" * 1000
 
 
 def test_tls_hands_its_transport_batches_so_the_peer_decrypts_while_more_is_encrypted(

@@ -257,9 +257,7 @@ def _prefaulted(size: int) -> mmap.mmap | bytearray:
     in this one call; a ``bytearray`` where the kernel refuses another mapping (a process may
     hold ``vm.max_map_count`` of them, 65,530 by default: 64 GiB of 1 MiB buffers)."""
     try:
-        return mmap.mmap(
-            -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-        )
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
     except OSError:
         return bytearray(size)
 

@@ -105,6 +105,7 @@ class RelayHolder:
         """The relay's MOQT-over-QMux URIs, fastest first: the records' ``moqt_carriers``."""
         self.leases = LeaseTable(config.lease_policy())
         self._replicas: dict[TrackKey, KVReplica] = {}  # complete replicas in the cache
+        self._of_block: dict[bytes, dict[TrackKey, None]] = {}  # block (packed) → its tracks
         self._blocks: dict[bytes, _Published] = {}  # block (packed) → its published replica
         self._lock = asyncio.Lock()  # one IS conversation at a time, in order
 
@@ -128,6 +129,7 @@ class RelayHolder:
         """A replica became complete; True when it is the one to publish for its block."""
         self._replicas[replica.key] = replica
         packed = replica.block.packed
+        self._of_block.setdefault(packed, {})[replica.key] = None
         if packed in self._blocks:
             return False
         # the caller publishes now; the refresh loop retries only if that fails
@@ -182,34 +184,46 @@ class RelayHolder:
                 published.due_ms = now + max(1, granted // 3)  # refresh at a third
 
     async def withdraw(self, key: TrackKey) -> None:
-        """Forget the track's replica; withdraw its record first when it was published."""
+        """Forget the track's replica; withdraw its record first when it was published (a
+        publication still under way finishes, then is withdrawn), and publish another cached
+        replica of the block in its place, if there is one."""
         replica = self._replicas.pop(key, None)
         if replica is None:
             return
         packed = replica.block.packed
+        tracks = self._of_block.get(packed)
+        if tracks is not None:
+            tracks.pop(key, None)
+            if not tracks:
+                del self._of_block[packed]
         published = self._blocks.get(packed)
         if published is None or published.replica.key != key:
             return
-        del self._blocks[packed]
-        if published.record is None or self.index is None:
-            return
-        block = replica.block
-        async with self._lock:
-            try:
-                await self.index.withdraw(
-                    block.compat_id, block.scope_id, block.block_key, self.holder_url
-                )
-            except (KVSPError, OSError) as exc:
-                log.warning("withdrawing a record failed (it expires at the IS): %s", exc)
+        if self.index is not None:
+            block = replica.block
+            async with self._lock:  # a publication of this replica under way ends first
+                if self._blocks.get(packed) is published:
+                    del self._blocks[packed]
+                if published.record is not None:
+                    try:
+                        await self.index.withdraw(
+                            block.compat_id, block.scope_id, block.block_key, self.holder_url
+                        )
+                    except (KVSPError, OSError) as exc:
+                        log.warning("withdrawing a record failed (it expires at the IS): %s", exc)
+        else:
+            del self._blocks[packed]
         await self._promote(packed)
 
     async def _promote(self, packed: bytes) -> None:
-        """Publish another cached replica of the same block, if any."""
-        for other in self._replicas.values():
-            if other.block.packed == packed:
-                self._blocks[packed] = _Published(other, due_ms=self.clock.now_ms() + RETRY_MS)
-                await self.publish(other.key)
-                return
+        """Publish another cached replica of the same block, if any (found by the block, not
+        by a scan of the cache: a full cache withdraws a record for every block it admits)."""
+        tracks = self._of_block.get(packed)
+        if not tracks or packed in self._blocks:
+            return
+        other = self._replicas[next(iter(tracks))]
+        self._blocks[packed] = _Published(other, due_ms=self.clock.now_ms() + RETRY_MS)
+        await self.publish(other.key)
 
     def due(self) -> list[TrackKey]:
         """Tracks whose records are due for a refresh (or a retried first publication)."""

@@ -1,0 +1,171 @@
+"""The relay's holder role keeps one published record per block (spec §6.1): when the
+published replica leaves the cache, another cached replica of the same block takes its place,
+and finding it costs the same in a cache of one block or of thousands (a full cache withdraws a
+record for every block it admits)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+from kvsp.ids import BlockKey, CompatId, ScopeId
+from kvsp.records import ReplicaRecord
+from kvsp.web.clock import ManualClock
+from relay.cache import TrackKey
+from relay.holder import HolderConfig, RelayHolder
+from relay.kv import BlockTrack, KVReplica
+
+COMPAT = CompatId(bytes(range(32)))
+SCOPE = ScopeId(bytes(range(1, 33)))
+DIGESTS = (hashlib.sha256(b"layer 0").digest(),)
+
+
+class Index:
+    """The IS as the holder sees it: what was published and withdrawn, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes, bytes]] = []
+
+    async def publish(self, record: ReplicaRecord, /) -> int:
+        self.calls.append(("publish", bytes(record.block_key), record.digest))
+        return record.ttl_ms
+
+    async def withdraw(self, compat_id: bytes, scope_id: bytes, key: bytes, holder: str, /) -> bool:
+        self.calls.append(("withdraw", key, b""))
+        return True
+
+
+def replica(key: bytes, digest: bytes) -> KVReplica:
+    block = BlockTrack(COMPAT, SCOPE, BlockKey(key), digest)
+    namespace = (b"kvsp", b"1", COMPAT.hex().encode(), SCOPE.hex().encode(), key.hex().encode())
+    track: TrackKey = (namespace, digest.hex().encode())
+    return KVReplica(block, track, DIGESTS, 4096, None)
+
+
+def block_key(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+def holder_with(index: Index) -> RelayHolder:
+    return RelayHolder(
+        HolderConfig(record_ttl_ms=30_000),
+        ManualClock(1_000_000),
+        index,
+        holder_url="moqt://relay.test:4443",
+    )
+
+
+def test_another_replica_of_the_block_is_published_when_the_published_one_goes() -> None:
+    index = Index()
+    holder = holder_with(index)
+    first, second = replica(block_key(1), b"\x01" * 32), replica(block_key(1), b"\x02" * 32)
+    other = replica(block_key(2), b"\x03" * 32)
+
+    async def scenario() -> None:
+        for each in (first, second, other):
+            if holder.add(each):
+                await holder.publish(each.key)
+        assert holder.record_of(first.key) is not None
+        assert holder.record_of(second.key) is None  # one record per block
+        await holder.withdraw(first.key)
+        assert holder.replica(first.key) is None
+        record = holder.record_of(second.key)
+        assert record is not None and record.digest == b"\x02" * 32
+        await holder.withdraw(second.key)  # the last replica of the block: nothing to promote
+        await holder.withdraw(second.key)  # already gone: nothing happens
+
+    asyncio.run(scenario())
+    assert index.calls == [
+        ("publish", block_key(1), b"\x01" * 32),
+        ("publish", block_key(2), b"\x03" * 32),
+        ("withdraw", block_key(1), b""),
+        ("publish", block_key(1), b"\x02" * 32),
+        ("withdraw", block_key(1), b""),
+    ]
+    assert holder.record_of(other.key) is not None
+
+
+def test_a_record_being_published_when_its_replica_goes_is_withdrawn_after_it() -> None:
+    """The IS conversation is awaited: a replica evicted while its first publication is under
+    way has that record withdrawn once it is in (not left at the IS, naming a block the relay
+    no longer holds), and the other replica of its block is published next."""
+    index = Index()
+    holder = holder_with(index)
+    first, second = replica(block_key(1), b"\x01" * 32), replica(block_key(1), b"\x02" * 32)
+    release = asyncio.Event()
+    publish = index.publish
+
+    async def slow_publish(record: ReplicaRecord, /) -> int:
+        await release.wait()
+        return await publish(record)
+
+    index.publish = slow_publish  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        assert holder.add(first)
+        assert not holder.add(second)
+        publishing = asyncio.create_task(holder.publish(first.key))
+        await asyncio.sleep(0)  # the publication holds the IS conversation
+        withdrawing = asyncio.create_task(holder.withdraw(first.key))
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(publishing, withdrawing)
+
+    asyncio.run(scenario())
+    assert index.calls == [
+        ("publish", block_key(1), b"\x01" * 32),
+        ("withdraw", block_key(1), b""),
+        ("publish", block_key(1), b"\x02" * 32),
+    ]
+    assert holder.record_of(second.key) is not None
+
+
+def test_an_unpublished_replica_that_goes_hands_its_block_to_another() -> None:
+    """A replica whose publication failed (the refresh loop would retry it) leaves the cache:
+    the block's other cached replica is published instead, not forgotten."""
+    index = Index()
+    holder = holder_with(index)
+    first, second = replica(block_key(1), b"\x01" * 32), replica(block_key(1), b"\x02" * 32)
+
+    async def scenario() -> None:
+        assert holder.add(first)  # its publication is never attempted (or failed)
+        assert not holder.add(second)
+        await holder.withdraw(first.key)
+
+    asyncio.run(scenario())
+    assert index.calls == [("publish", block_key(1), b"\x02" * 32)]
+
+
+def test_withdrawing_a_record_looks_at_the_block_alone_not_at_the_whole_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """How many replicas a withdrawal examines does not grow with the cache: it was a scan of
+    every cached replica, so a full relay admitting a block (one eviction, one withdrawal)
+    slowed down with the size of its cache."""
+    looked = 0
+    packed = BlockTrack.packed
+
+    def counting(self: BlockTrack) -> bytes:
+        nonlocal looked
+        looked += 1
+        return packed.fget(self)  # type: ignore[no-any-return, attr-defined]
+
+    monkeypatch.setattr(BlockTrack, "packed", property(counting))
+
+    def withdrawal_looks(cached: int) -> int:
+        nonlocal looked
+        holder = holder_with(Index())
+        for n in range(cached):
+            holder.add(replica(block_key(100 + n), b"\x05" * 32))
+        gone, stays = replica(block_key(1), b"\x01" * 32), replica(block_key(1), b"\x02" * 32)
+        holder.add(gone)
+        holder.add(stays)
+        asyncio.run(holder.publish(gone.key))
+        looked = 0
+        asyncio.run(holder.withdraw(gone.key))
+        assert holder.record_of(stays.key) is not None
+        return looked
+
+    assert withdrawal_looks(3000) == withdrawal_looks(1)

@@ -132,9 +132,12 @@ def client_ssl_context(cafile: str | None = None, verify: bool = True) -> ssl.SS
 
 
 def server_ssl_context(certificate: str, private_key: str) -> ssl.SSLContext:
-    """A TLS 1.3 server context (PEM paths) selecting ALPN ``qmux-01.moqt-16``."""
+    """A TLS 1.3 server context (PEM paths) selecting ALPN ``qmux-01.moqt-16``; it sends no
+    session tickets (QMux connections are long-lived and not resumed), which lets
+    :mod:`moqt.qmux_tls` take the records over from OpenSSL after the handshake."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.num_tickets = 0
     context.load_cert_chain(certificate, private_key)
     context.set_alpn_protocols([ALPN_MOQT_16_QMUX])
     return context

@@ -73,7 +73,10 @@ log = logging.getLogger(__name__)
 READ_CHUNK = 1 << 20  # bytes one socket read may take
 READ_QUEUE = 8  # socket reads waiting for the worker above which the socket is not read
 PLAIN_CHUNK = 256 << 10  # plaintext the worker hands over at once (less when it runs out)
+RECORD_ROOM = (1 << 14) + 256  # room that holds any record's plaintext (RFC 8446 §5.2)
 WIRE_CHUNK = 256 << 10  # ciphertext the worker hands over at once while encrypting
+CIPHER_SUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
+"""The TLS 1.3 suites offered and accepted, in order of preference."""
 HANDSHAKE_TIMEOUT = 60.0  # seconds, asyncio's default for a TLS client handshake
 LINGER = 5.0  # seconds a closed connection reads on after its close_notify and FIN
 DEFAULT_HIGH_WATER = 64 << 10  # asyncio's default write limits
@@ -119,6 +122,20 @@ _NO_DATA = b""
 _NO_ROOM = bytearray()  # a read into nothing: _tlsrecords only feeds the BIO
 
 
+def _capture(sslobj: ssl.SSLObject) -> bool:
+    """Whether :mod:`moqt._tlsrecords` keeps ``sslobj``'s traffic secrets, so that
+    :class:`_tlsrecords.Records` can take the records over after the handshake; it also asks
+    for AES-128-GCM first (the cipher suite every TLS 1.3 peer has, RFC 8446 §9.1, and the
+    cheapest to run here)."""
+    if _tlsrecords is None or not hasattr(_tlsrecords, "Records"):
+        return False
+    raw = sslobj._sslobj  # type: ignore[attr-defined]
+    if not _tlsrecords.capture(raw):
+        return False
+    _tlsrecords.ciphersuites(raw, CIPHER_SUITES)
+    return True
+
+
 class _Worker:
     """The thread that owns the SSL object: every SSLObject call happens here."""
 
@@ -132,6 +149,8 @@ class _Worker:
         post: Callable[[_Report], None],
         name: str,
         schedule: Callable[[Callable[[], None]], Any] | None = None,
+        *,
+        server_side: bool = False,
     ) -> None:
         self._ssl = sslobj
         self._in = incoming
@@ -146,6 +165,10 @@ class _Worker:
         self._tcp_eof = False
         self._eof_told = False
         self._records: Any = None  # the _ssl object, once _tlsrecords reads it in bulk
+        self._server_side = server_side
+        self._sealed: Any = None  # the _tlsrecords.Records that took the records over
+        self._captured = schedule is not None and _capture(sslobj)  # its secrets, for that
+        self._running = False  # a step is under way (inline): a job now waits its turn
         self._schedule = schedule
         self._inline: collections.deque[tuple[Any, ...]] = collections.deque()
         self._scheduled = self._stopped = False
@@ -161,12 +184,27 @@ class _Worker:
             self._kick()
 
     def submit(self, job: tuple[Any, ...]) -> None:
-        """Queue ``job`` for the thread, or (inline) for the loop's next pass."""
+        """Queue ``job`` for the thread, or (inline) for the loop's next pass; with the records
+        taken over (:meth:`direct`) run it now instead when nothing waits before it."""
         if self.thread is not None:
             self.jobs.put(job)
+        elif self.direct():
+            self._run_now([job])
         else:
             self._inline.append(job)
             self._kick()
+
+    def direct(self) -> bool:
+        """Whether a job submitted now runs at once: inline, with the records sealed and opened
+        by :class:`_tlsrecords.Records` (no copy through the BIOs, nothing left for a later
+        pass), and no job queued or running before it."""
+        return (
+            self._sealed is not None
+            and not self._inline
+            and not self._running
+            and not self._scheduled
+            and not self._stopped
+        )
 
     def _kick(self) -> None:
         if not self._scheduled and not self._stopped and self._schedule is not None:
@@ -180,18 +218,30 @@ class _Worker:
             while not self._stopped:
                 batch = list(jobs)
                 jobs.clear()
-                if self._step(batch):
-                    self._stopped = True
-                    jobs.clear()
-                    del self._ssl, self._plain
+                self._run_now(batch)
                 if not jobs:
                     break
+        finally:
+            self._scheduled = False
+
+    def _run_now(self, batch: list[tuple[Any, ...]]) -> None:
+        """(inline) One step on the loop thread; a job submitted meanwhile (by the protocol,
+        from what the step delivered) is queued for the next."""
+        self._running = True
+        try:
+            if self._step(batch):
+                self._stopped = True
+                self._inline.clear()
+                del self._ssl, self._plain
+                self._sealed = None
         except Exception as exc:  # a failure of ours: the connection fails with it
             log.exception("TLS records failed")
             self._stopped = True
             self._post(_Report(error=exc))
         finally:
-            self._scheduled = False
+            self._running = False
+        if self._inline and not self._stopped:
+            self._kick()
 
     def _run(self) -> None:
         try:
@@ -234,7 +284,10 @@ class _Worker:
             buffer, nbytes = job[1], job[2]
             if not self._failed:
                 with memoryview(buffer) as view:
-                    if self._records is not None:  # the copy into the BIO off the GIL
+                    if self._sealed is not None:
+                        if not self._peer_closed:
+                            report = self._open(view[:nbytes], report)
+                    elif self._records is not None:  # the copy into the BIO off the GIL
                         _tlsrecords.read(self._records, self._in, view[:nbytes], _NO_ROOM)
                     else:
                         self._in.write(view[:nbytes])
@@ -257,7 +310,8 @@ class _Worker:
         """The handshake, or the plaintext, and the end the incoming bytes allow."""
         if not self._handshaken:
             self._handshake(report)
-        if self._handshaken and not self._failed and not self._peer_closed:
+        taken_over = self._sealed is not None  # then each socket read is opened as taken
+        if self._handshaken and not self._failed and not self._peer_closed and not taken_over:
             report = self._decrypt(report)
         if self._tcp_eof and not self._eof_told and not self._failed:
             self._eof_told = True
@@ -287,8 +341,6 @@ class _Worker:
             return
         self._handshaken = True
         raw = sslobj._sslobj  # type: ignore[attr-defined]
-        if _tlsrecords is not None and _tlsrecords.bind(raw, self._in, sslobj.version() or ""):
-            self._records = raw
         report.handshake = {
             "peercert": sslobj.getpeercert(),
             "cipher": sslobj.cipher(),
@@ -296,6 +348,18 @@ class _Worker:
             "alpn_protocol": sslobj.selected_alpn_protocol(),
             "tls_version": sslobj.version(),
         }
+        if self._captured:
+            try:
+                self._sealed = _tlsrecords.Records(raw, self._server_side)
+            except ValueError as exc:  # the records stay with OpenSSL
+                log.debug("%s", exc)
+            else:
+                self._drain(report)  # the handshake's last flight
+                if self._in.pending:  # records that came with it are ours now
+                    self._open(self._in.read(), report)
+                return
+        if _tlsrecords is not None and _tlsrecords.bind(raw, self._in, sslobj.version() or ""):
+            self._records = raw
 
     def _decrypt(self, report: _Report) -> _Report:
         """Read what the incoming BIO holds, posting every PLAIN_CHUNK; the report to go on
@@ -354,7 +418,35 @@ class _Worker:
             post(report)
             report = _Report()
 
+    def _open(self, data: Any, report: _Report) -> _Report:
+        """Decrypt ``data`` (ciphertext) with :attr:`_sealed` into the plaintext buffers, all
+        of it (a record split between reads is kept there); the report to go on with."""
+        opened, buffers = self._sealed.open, self._plain
+        view = memoryview(data)
+        while True:
+            room = buffers.get_buffer(RECORD_ROOM)
+            try:
+                taken, count, status = opened(view, room)
+            except ssl.SSLError as exc:  # a record that does not authenticate, an alert
+                self._fail(report, exc)
+                return report
+            if count:
+                report.plain.append(buffers.filled(count))
+            if status == _tlsrecords.CLOSED:
+                self._peer_closed = self._eof_told = True
+                report.eof = "close_notify"
+                return report
+            if status == _tlsrecords.NEED:
+                return report
+            view = view[taken:]  # the next record needs a fresh buffer
+
     def _encrypt(self, buffers: list[Any], report: _Report) -> None:
+        if self._sealed is not None:
+            try:
+                report.wire.append(self._sealed.seal(buffers))
+            except Exception as exc:  # noqa: BLE001 - the connection fails with it
+                self._fail(report, exc)
+            return
         sslobj, out = self._ssl, self._out
         try:
             for buffer in buffers:
@@ -366,6 +458,10 @@ class _Worker:
         self._drain(report)
 
     def _shutdown(self, report: _Report) -> None:
+        if self._sealed is not None:
+            report.wire.append(self._sealed.close_notify())
+            report.shutdown = True
+            return
         try:
             self._ssl.unwrap()
         except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
@@ -450,6 +546,7 @@ class TLSWorkerTransport(asyncio.Transport):
             self._post if threaded else self._on_report,
             "qmux-tls",
             None if threaded else loop.call_soon,
+            server_side=server_side,
         )
         self.carrier = _Carrier(self)
         self.handshake: asyncio.Future[None] = loop.create_future()
@@ -725,7 +822,10 @@ class TLSWorkerTransport(asyncio.Transport):
         immutable ``bytes`` (or a view of one) is copied first."""
         if self._closing or not self._connected:
             return
-        buffers = [_frozen(buffer) for buffer in list_of_data]
+        if self._worker.direct():  # encrypted before this returns: no copy to keep
+            buffers = list(list_of_data)
+        else:
+            buffers = [_frozen(buffer) for buffer in list_of_data]
         size = sum(len(buffer) for buffer in buffers)
         if not size:
             return

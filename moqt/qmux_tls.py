@@ -8,13 +8,19 @@ object is not safe to share between threads), in one of two places:
   parses QMux frames, runs the MOQT session and hashes what arrives (§6.7);
 * inline: the same steps run on the event loop, one pass after the socket read that fed them.
 
-Decryption goes through :mod:`moqt._tlsrecords` where it is built: one C call feeds a socket
-read to the incoming BIO and reads every record that completes into the plaintext buffer, with
-the GIL released throughout. ``SSLObject.read`` yields one record (16 KiB at most) per call and
-takes the GIL back after each, which on a worker thread beside a busy loop means waiting for the
-loop; inline it means a Python round per record. Where the module is missing, or refuses the
-object (it checks the SSL pointer it reads against what ``_ssl`` reports), ``SSLObject.read``
-does it. The exchange between the loop and the worker is in whole chunks:
+Once the handshake is done, an inline connection hands its records to
+:class:`moqt._tlsrecords.Records` (RFC 8446 §5, as kernel TLS does after a user-space
+handshake): each socket read is decrypted straight into the receive buffers as it is taken,
+and each write is encrypted from the caller's buffers into the bytes sent before
+:meth:`~TLSWorkerTransport.writelines` returns (no copy, nothing through the BIOs). It needs
+the traffic secrets, which :func:`_capture` has OpenSSL's key log callback keep, and a server
+context that sends no session tickets (:func:`~moqt.qmux_asyncio.server_ssl_context`); where
+it refuses (keys logged to a file, not TLS 1.3, the module not built) and on the thread engine
+the SSL object keeps the records: decryption then goes through ``_tlsrecords.read``, one C call
+that feeds a socket read to the incoming BIO and reads every record it completes with the GIL
+released (``SSLObject.read`` yields one record per call and takes the GIL back after each),
+and ``SSLObject.read`` where even that refuses. The exchange between the loop and a worker
+thread is in whole chunks:
 
 * in: each socket read (up to :data:`READ_CHUNK`) goes to the worker, which feeds the incoming
   BIO and reads plaintext into :class:`~moqt.qmux_asyncio.ReceiveBuffers` of its own, handing
@@ -51,6 +57,7 @@ import logging
 import queue
 import ssl
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -76,7 +83,7 @@ PLAIN_CHUNK = 256 << 10  # plaintext the worker hands over at once (less when it
 RECORD_ROOM = (1 << 14) + 256  # room that holds any record's plaintext (RFC 8446 §5.2)
 WIRE_CHUNK = 256 << 10  # ciphertext the worker hands over at once while encrypting
 CIPHER_SUITES = "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
-"""The TLS 1.3 suites offered and accepted, in order of preference."""
+"""The TLS 1.3 suites in our order of preference (among those a context enables)."""
 HANDSHAKE_TIMEOUT = 60.0  # seconds, asyncio's default for a TLS client handshake
 LINGER = 5.0  # seconds a closed connection reads on after its close_notify and FIN
 DEFAULT_HIGH_WATER = 64 << 10  # asyncio's default write limits
@@ -124,16 +131,32 @@ _NO_ROOM = bytearray()  # a read into nothing: _tlsrecords only feeds the BIO
 
 def _capture(sslobj: ssl.SSLObject) -> bool:
     """Whether :mod:`moqt._tlsrecords` keeps ``sslobj``'s traffic secrets, so that
-    :class:`_tlsrecords.Records` can take the records over after the handshake; it also asks
-    for AES-128-GCM first (the cipher suite every TLS 1.3 peer has, RFC 8446 §9.1, and the
-    cheapest to run here)."""
+    :class:`_tlsrecords.Records` can take the records over after the handshake; it also puts
+    AES-128-GCM first among the suites the context allows (the suite every TLS 1.3 peer has,
+    RFC 8446 §9.1, and the cheapest to run here)."""
     if _tlsrecords is None or not hasattr(_tlsrecords, "Records"):
         return False
     raw = sslobj._sslobj  # type: ignore[attr-defined]
     if not _tlsrecords.capture(raw):
         return False
-    _tlsrecords.ciphersuites(raw, CIPHER_SUITES)
+    suites = _preferred_suites(sslobj.context)
+    if suites:
+        _tlsrecords.ciphersuites(raw, suites)
     return True
+
+
+_SUITES: weakref.WeakKeyDictionary[ssl.SSLContext, str] = weakref.WeakKeyDictionary()
+
+
+def _preferred_suites(context: ssl.SSLContext) -> str:
+    """The TLS 1.3 suites ``context`` enables (what OpenSSL's configuration and the system's
+    policy allow, nothing more), in :data:`CIPHER_SUITES` order, then any others it enables."""
+    suites = _SUITES.get(context)
+    if suites is None:
+        enabled = [c["name"] for c in context.get_ciphers() if c.get("protocol") == "TLSv1.3"]
+        first = [name for name in CIPHER_SUITES.split(":") if name in enabled]
+        suites = _SUITES[context] = ":".join(first + [n for n in enabled if n not in first])
+    return suites
 
 
 class _Worker:

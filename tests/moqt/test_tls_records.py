@@ -921,11 +921,35 @@ def test_records_refuses_before_the_handshake(certs: tuple[str, str]) -> None:
 # --- real sockets: our transport against asyncio's stock TLS server --------------------------
 
 
+class SmallTails:
+    """Plain buffers (PlainBuffers) whose free tail may hold less than a record: a
+    ReceiveBuffers with a small ``min_read``. A long run of get_buffer calls with nothing
+    filled is reported as an error instead of spinning the event loop."""
+
+    def __init__(self) -> None:
+        self.buffers = ReceiveBuffers(40_000, 1000, prefault=False)
+        self.idle = 0
+        self.short = 0  # tails handed out shorter than the record room asked for
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        self.idle += 1
+        if self.idle > 1000:
+            raise AssertionError("the records asked for a buffer 1000 times without filling it")
+        tail = self.buffers.get_buffer(sizehint)
+        self.short += len(tail) < sizehint
+        return tail
+
+    def filled(self, nbytes: int) -> memoryview:
+        self.idle = 0
+        return self.buffers.filled(nbytes)
+
+
 def against_stock_server(
     certs: tuple[str, str],
     tmp_path: Path,
     *,
     keylog: bool,
+    plain_buffers: Callable[[], Any] = ReceiveBuffers,
 ) -> TLSWorkerTransport:
     """Our inline TLSWorkerTransport (client) against asyncio.start_server with a stock TLS
     context (two session tickets, as by default): 3 MiB up, echoed back byte-exact, then our
@@ -963,7 +987,7 @@ def against_stock_server(
                 port,
                 context=context,
                 server_hostname="localhost",
-                plain_buffers=ReceiveBuffers(),
+                plain_buffers=plain_buffers(),
                 threaded=False,
             )
             kept.append(tls)
@@ -1000,3 +1024,18 @@ def test_our_transport_with_a_key_log_leaves_the_records_to_openssl(
     OpenSSL keeps the records; the connection works the same."""
     against_stock_server(certs, tmp_path, keylog=True)
     assert "CLIENT_TRAFFIC_SECRET_0" in (tmp_path / "client-keys.log").read_text()
+
+
+def test_our_transport_with_plain_buffers_shorter_than_a_record(
+    certs: tuple[str, str], tmp_path: Path
+) -> None:
+    """A PlainBuffers tail under RECORD_ROOM (a ReceiveBuffers with a small min_read): a
+    record that does not fit there still opens (Records answers MORE without progress)."""
+    made: list[SmallTails] = []
+
+    def buffers() -> SmallTails:
+        made.append(SmallTails())
+        return made[-1]
+
+    against_stock_server(certs, tmp_path, keylog=False, plain_buffers=buffers)
+    assert made[0].short > 0

@@ -626,6 +626,11 @@ static PyObject *Records_open(Records *r, PyObject *args) {
             error = E_RECORD_OVERFLOW;
             break;
         }
+        if (r->handshake_len > 0 && type != CT_HANDSHAKE) {
+            /* a handshake message split over records has nothing else between them (§5.1) */
+            error = E_UNEXPECTED_MESSAGE;
+            break;
+        }
         if (type == CT_APPLICATION_DATA) {
             filled += plain;
         } else if (type == CT_ALERT) {

@@ -450,6 +450,9 @@ class _Worker:
             room = buffers.get_buffer(RECORD_ROOM)
             try:
                 taken, count, status = opened(view, room)
+                if status == _tlsrecords.MORE and not count:  # the tail is under RECORD_ROOM
+                    view = view[taken:]
+                    taken, status = self._open_aside(view, report)
             except ssl.SSLError as exc:  # a record that does not authenticate, an alert
                 self._fail(report, exc)
                 return report
@@ -462,6 +465,21 @@ class _Worker:
             if status == _tlsrecords.NEED:
                 return report
             view = view[taken:]  # the next record needs a fresh buffer
+
+    def _open_aside(self, data: memoryview, report: _Report) -> tuple[int, int]:
+        """Open the next records of ``data`` into a room of their own and copy their plaintext
+        into the buffers, whose free tail (a :class:`PlainBuffers` may keep one shorter than
+        :data:`RECORD_ROOM`) cannot hold the next record: (octets taken, status)."""
+        aside = bytearray(RECORD_ROOM)
+        taken, count, status = self._sealed.open(data, aside)
+        buffers, at = self._plain, 0
+        while at < count:
+            room = buffers.get_buffer(count - at)
+            n = min(len(room), count - at)
+            room[:n] = aside[at : at + n]
+            report.plain.append(buffers.filled(n))
+            at += n
+        return taken, status
 
     def _encrypt(self, buffers: list[Any], report: _Report) -> None:
         if self._sealed is not None:

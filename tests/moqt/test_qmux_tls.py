@@ -33,6 +33,7 @@ from moqt.qmux_asyncio import (
     server_ssl_context,
 )
 from moqt.qmux_tls import TLSWorkerTransport, open_tls_connection, serve_tls
+from tests.support.tls_peer import Peer
 
 MiB = 1 << 20
 
@@ -47,50 +48,6 @@ def threaded(request: pytest.FixtureRequest) -> bool:
 def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     cert, key = make_self_signed("localhost", tmp_path_factory.mktemp("tls-certs"))
     return str(cert), str(key)
-
-
-class Peer(asyncio.Protocol):
-    """Records what the transport tells it; echoes what it reads when ``echo``."""
-
-    def __init__(self, *, echo: bool = False, paused: bool = False) -> None:
-        self.echo = echo
-        self.start_paused = paused
-        self.transport: TLSWorkerTransport | None = None
-        self.received = bytearray()
-        self.events: list[str] = []
-        self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
-        self.writable = asyncio.Event()
-        self.writable.set()
-        self.pauses = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, TLSWorkerTransport)
-        self.transport = transport
-        self.events.append("made")
-        if self.start_paused:
-            transport.pause_reading()
-
-    def data_received(self, data: bytes) -> None:
-        assert "eof" not in self.events
-        self.received += data
-        if self.echo and self.transport is not None:
-            self.transport.write(data)
-
-    def eof_received(self) -> bool | None:
-        self.events.append("eof")
-        return None
-
-    def pause_writing(self) -> None:
-        self.pauses += 1
-        self.writable.clear()
-
-    def resume_writing(self) -> None:
-        self.writable.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.events.append("lost")
-        if not self.lost.done():
-            self.lost.set_result(exc)
 
 
 Body = Callable[[TLSWorkerTransport, Peer, list[Peer]], Awaitable[None]]

@@ -1,4 +1,5 @@
-/* TLS records in bulk on an ssl.SSLObject, with the GIL released once per call.
+/* QMux's TLS 1.3 records (RFC 8446 §5): read in bulk through an ssl.SSLObject with the GIL
+   released once per call, or, after the handshake, protected here (Records, further down).
 
    Python's _ssl releases the GIL around each SSL_read, and SSL_read yields at most one record
    (16 KiB of plaintext, RFC 8446 §5.1), so a thread decrypting a MiB takes the GIL back ~64
@@ -616,6 +617,10 @@ static PyObject *Records_open(Records *r, PyObject *args) {
             r->carry_len = 0;
         else
             pos += HEADER_LEN + length;
+        if (plain > MAX_PLAIN + 1) { /* TLSInnerPlaintext: 2^14 + 1 octets at most (§5.4) */
+            error = E_RECORD_OVERFLOW;
+            break;
+        }
         while (plain > 0 && target[plain - 1] == 0) plain--; /* the padding (§5.4) */
         if (plain == 0) {
             error = E_UNEXPECTED_MESSAGE; /* no content type */
@@ -993,7 +998,9 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "moqt._tlsrecords",
-    "TLS records decrypted in bulk with the GIL released (see moqt.qmux_tls).", -1, methods,
+    "QMux's TLS 1.3 records: decrypted in bulk off the GIL through OpenSSL's SSL object, or\n"
+    "protected by Records once the handshake is done (see moqt.qmux_tls).",
+    -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__tlsrecords(void) {

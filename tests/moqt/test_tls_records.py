@@ -734,6 +734,12 @@ ERRORS: list[tuple[str, bool, Crafted, str]] = [
         lambda p: p.seal(bytes(MAX_PLAIN + 1), padding=200),
         "record overflow",
     ),
+    (  # §5.4: TLSInnerPlaintext (content, type and padding) is 2^14 + 1 octets at most
+        "2^14 + 2 octets of inner plaintext",
+        True,
+        lambda p: p.seal(b"x", padding=MAX_PLAIN),
+        "record overflow",
+    ),
     (
         "ciphertext over 2^14 + 256",
         True,

@@ -223,6 +223,7 @@ class _Worker:
         pass), and no job queued or running before it."""
         return (
             self._sealed is not None
+            and self.thread is None
             and not self._inline
             and not self._running
             and not self._scheduled

@@ -861,7 +861,9 @@ class TLSWorkerTransport(asyncio.Transport):
 
     def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
         """Hand the buffers to the worker to encrypt, in order; a buffer that is not
-        immutable ``bytes`` (or a view of one) is copied first."""
+        immutable ``bytes`` (or a view of one) is copied first, unless the records are taken
+        over and nothing is queued (:meth:`_Worker.direct`): they are encrypted before this
+        returns."""
         if self._closing or not self._connected:
             return
         if self._worker.direct():  # encrypted before this returns: no copy to keep

@@ -173,6 +173,22 @@ static PyObject *bind(PyObject *self, PyObject *args) {
 #define NEED 1   /* every complete record was read: more ciphertext is needed */
 #define CLOSED 2 /* the peer's close_notify was read */
 
+static PyObject *ssl_error(int code, const char *message) {
+    /* raise ssl.SSLError(code, message); NULL */
+    PyObject *ssl_module = PyImport_ImportModule("ssl");
+    if (ssl_module == NULL) return NULL;
+    PyObject *kind = PyObject_GetAttrString(ssl_module, "SSLError");
+    Py_DECREF(ssl_module);
+    if (kind == NULL) return NULL;
+    PyObject *exc_args = Py_BuildValue("(is)", code, message);
+    if (exc_args != NULL) {
+        PyErr_SetObject(kind, exc_args);
+        Py_DECREF(exc_args);
+    }
+    Py_DECREF(kind);
+    return NULL;
+}
+
 PyDoc_STRVAR(read_doc,
 "read(sslobj, incoming, data, out) -> (count, status)\n\n"
 "Write ``data`` (ciphertext, may be empty) to the incoming BIO, then decrypt records into\n"
@@ -239,20 +255,9 @@ static PyObject *read_records(PyObject *self, PyObject *args) {
     PyBuffer_Release(&out);
     if (!written_ok) return PyErr_NoMemory();
     if (error) {
-        PyObject *ssl_module = PyImport_ImportModule("ssl");
-        if (ssl_module == NULL) return NULL;
-        PyObject *kind = PyObject_GetAttrString(ssl_module, "SSLError");
-        Py_DECREF(ssl_module);
-        if (kind == NULL) return NULL;
         if (!message[0])
             snprintf(message, sizeof message, "TLS record processing failed (SSL error %d)", error);
-        PyObject *exc_args = Py_BuildValue("(is)", error, message);
-        if (exc_args != NULL) {
-            PyErr_SetObject(kind, exc_args);
-            Py_DECREF(exc_args);
-        }
-        Py_DECREF(kind);
-        return NULL;
+        return ssl_error(error, message);
     }
     return Py_BuildValue("(ni)", (Py_ssize_t)filled, status);
 }
@@ -673,18 +678,7 @@ static PyObject *Records_open(Records *r, PyObject *args) {
             snprintf(message, sizeof message, "the peer sent TLS alert %d", alert);
         else
             snprintf(message, sizeof message, "%s (TLS 1.3 record)", messages[error]);
-        PyObject *ssl_module = PyImport_ImportModule("ssl");
-        if (ssl_module == NULL) return NULL;
-        PyObject *kind = PyObject_GetAttrString(ssl_module, "SSLError");
-        Py_DECREF(ssl_module);
-        if (kind == NULL) return NULL;
-        PyObject *exc_args = Py_BuildValue("(is)", SSL_ERROR_SSL, message);
-        if (exc_args != NULL) {
-            PyErr_SetObject(kind, exc_args);
-            Py_DECREF(exc_args);
-        }
-        Py_DECREF(kind);
-        return NULL;
+        return ssl_error(SSL_ERROR_SSL, message);
     }
     if (status == NEED && pos < avail) status = MORE;
     return Py_BuildValue("(nni)", (Py_ssize_t)pos, (Py_ssize_t)filled, status);

@@ -430,17 +430,22 @@ class _Worker:
             except Exception as exc:  # a record that does not decrypt, an alert
                 self._fail(report, exc)
                 return report
-            if count:
-                report.plain.append(buffers.filled(count))
-            if status == _tlsrecords.CLOSED:
-                self._peer_closed = self._eof_told = True
-                report.eof = "close_notify"
-                return report
-            if status == _tlsrecords.NEED:
+            if self._landed(report, count, status):
                 return report
             self._drain(report)  # the buffer is full: hand it over, a KeyUpdate answer too
             post(report)
             report = _Report()
+
+    def _landed(self, report: _Report, count: int, status: int) -> bool:
+        """Hand over the ``count`` octets of plaintext the buffers just took; True when the
+        ciphertext is all read (``status`` NEED) or the peer's close_notify came (CLOSED)."""
+        if count:
+            report.plain.append(self._plain.filled(count))
+        if status == _tlsrecords.CLOSED:
+            self._peer_closed = self._eof_told = True
+            report.eof = "close_notify"
+            return True
+        return status == _tlsrecords.NEED
 
     def _open(self, data: Any, report: _Report) -> _Report:
         """Decrypt ``data`` (ciphertext) with :attr:`_sealed` into the plaintext buffers, all
@@ -457,13 +462,7 @@ class _Worker:
             except ssl.SSLError as exc:  # a record that does not authenticate, an alert
                 self._fail(report, exc)
                 return report
-            if count:
-                report.plain.append(buffers.filled(count))
-            if status == _tlsrecords.CLOSED:
-                self._peer_closed = self._eof_told = True
-                report.eof = "close_notify"
-                return report
-            if status == _tlsrecords.NEED:
+            if self._landed(report, count, status):
                 return report
             view = view[taken:]  # the next record needs a fresh buffer
 

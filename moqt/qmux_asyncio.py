@@ -41,7 +41,7 @@ import os
 import socket
 import ssl
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -318,11 +318,16 @@ class QMuxProtocol(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self.lost: asyncio.Future[None] = self._loop.create_future()
+        self.on_made: Callable[[QMuxProtocol], object] | None = None
+        """Called first in :meth:`connection_made` (a server registers a connection there when
+        the carrier connects the protocol only after a handshake that may fail)."""
 
     # --- asyncio.Protocol ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Check ALPN (tls), tune the socket, send our transport parameters."""
+        if self.on_made is not None:
+            self.on_made(self)
         self._transport = transport = _as_transport(transport)
         if self._carrier == "tls":
             agreed = _agreed_alpn(transport)
@@ -655,26 +660,35 @@ async def serve_qmux(
     loop = asyncio.get_running_loop()
     holder: list[QMuxServer] = []
 
-    def register(protocol: QMuxProtocol) -> QMuxProtocol:
+    def register(protocol: QMuxProtocol, accepted_at: float | None = None) -> QMuxProtocol:
         server = holder[0]
         server.protocols.add(protocol)
         protocol.lost.add_done_callback(lambda _: server.protocols.discard(protocol))
         task = loop.create_task(run_handler(protocol.moqt, handler))
         server.tasks.add(task)
         task.add_done_callback(server.tasks.discard)
-        bound = loop.call_later(setup_timeout, _abort_without_setup, protocol, setup_timeout)
+        deadline = (loop.time() if accepted_at is None else accepted_at) + setup_timeout
+        bound = loop.call_at(deadline, _abort_without_setup, protocol, setup_timeout)
         protocol.lost.add_done_callback(lambda _: bound.cancel())
         return protocol
 
-    def factory() -> QMuxProtocol:
-        return register(
-            QMuxProtocol(
-                is_client=False,
-                carrier=endpoint.carrier,
-                qmux=qmux,
-                session_config=session_config,
-            )
+    def new_protocol() -> QMuxProtocol:
+        return QMuxProtocol(
+            is_client=False, carrier=endpoint.carrier, qmux=qmux, session_config=session_config
         )
+
+    def factory() -> QMuxProtocol:
+        return register(new_protocol())
+
+    def after_handshake() -> QMuxProtocol:
+        """asyncio's TLS connects the protocol only after a handshake that succeeded, and
+        never tells one whose handshake failed: such a protocol is registered when it connects
+        (its handshake is bounded by ``ssl_handshake_timeout``), so that a failed handshake
+        leaves nothing behind."""
+        protocol = new_protocol()
+        accepted_at = loop.time()
+        protocol.on_made = lambda made: register(made, accepted_at)
+        return protocol
 
     def tls_protocol() -> tuple[QMuxProtocol, ReceiveBuffers]:
         return factory(), ReceiveBuffers()
@@ -707,7 +721,7 @@ async def serve_qmux(
             )
         else:
             server = await loop.create_server(
-                factory, host, port, ssl=ssl_context, ssl_handshake_timeout=setup_timeout
+                after_handshake, host, port, ssl=ssl_context, ssl_handshake_timeout=setup_timeout
             )
     holder.append(QMuxServer(server, endpoint))
     return holder[0]
@@ -723,8 +737,6 @@ def _abort_without_setup(protocol: QMuxProtocol, timeout: float) -> None:
         transport.abort()
     elif protocol._tls is not None:  # the TLS handshake never finished (worker engine)
         protocol._tls.fail(TimeoutError(f"no TLS handshake within {timeout} s"))
-    else:  # the TLS handshake never finished: asyncio never connects the protocol
-        protocol.connection_lost(TimeoutError(f"no TLS handshake within {timeout} s"))
 
 
 def _bind_unix(path: str, mode: int) -> socket.socket:

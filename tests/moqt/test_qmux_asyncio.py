@@ -9,6 +9,7 @@ which must end in a typed error, never a hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import mmap
 import os
@@ -564,3 +565,40 @@ def test_tls_hands_its_transport_batches_so_the_peer_decrypts_while_more_is_encr
     assert sum(written) > 3 * OBJECT
     assert max(written) <= 2 * TLS_WRITE_BATCH, written
     assert len([size for size in written if size >= TLS_WRITE_BATCH // 2]) >= 12
+
+
+@pytest.mark.parametrize("carrier", ["tcp", "unix"])
+def test_a_client_that_never_sets_up_is_dropped_at_the_setup_timeout(
+    carrier: str, tmp_path: Path
+) -> None:
+    reached: list[MOQTConnection] = []
+
+    async def handler(connection: MOQTConnection) -> None:
+        reached.append(connection)
+
+    async def main() -> None:
+        if carrier == "unix":
+            endpoint = QMuxEndpoint("unix", None, None, str(tmp_path / "q.sock"))
+        else:
+            endpoint = QMuxEndpoint("tcp", "127.0.0.1", 0)
+        server = await serve_qmux(endpoint, handler=handler, setup_timeout=0.3)
+        try:
+            address = server.address
+            if isinstance(address, str):
+                reader, writer = await asyncio.open_unix_connection(address)
+            else:
+                reader, writer = await asyncio.open_connection(*address)
+            # the server's transport parameters arrive, then nothing but the end: no SETUP
+            # was sent, so the server aborts the carrier
+            with contextlib.suppress(ConnectionResetError):
+                while await asyncio.wait_for(reader.read(65536), 30):
+                    pass
+            writer.close()
+            while server.protocols or server.tasks:
+                await asyncio.sleep(0.01)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+    assert reached == []

@@ -266,6 +266,7 @@ def test_handshake_with_an_untrusted_certificate_is_a_verification_error(
             handler=handler,
             ssl_context=server_ssl_context(cert, key),
             tls_engine=engine,
+            setup_timeout=120,  # the server lets go of the connection long before this
         )
         address = server.address
         assert isinstance(address, tuple)
@@ -279,7 +280,49 @@ def test_handshake_with_an_untrusted_certificate_is_a_verification_error(
                     tls_engine=engine,
                 ):
                     pass
-            while server.protocols:  # the server's side of it ends too
+
+            async def released() -> None:  # the server's side of it ends too, at once
+                while server.protocols or server.tasks:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(released(), 30)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+    assert reached == []
+
+
+@pytest.mark.parametrize("engine", get_args(TLSEngine))
+@pytest.mark.parametrize("says", [b"", b"\x16\x03\x01"], ids=["nothing", "half-a-hello"])
+def test_a_client_that_never_finishes_the_handshake_is_dropped_at_the_setup_timeout(
+    certs: tuple[str, str], engine: TLSEngine, says: bytes
+) -> None:
+    cert, key = certs
+    reached: list[MOQTConnection] = []
+
+    async def handler(connection: MOQTConnection) -> None:
+        reached.append(connection)
+
+    async def main() -> None:
+        server = await serve_qmux(
+            QMuxEndpoint("tls", "127.0.0.1", 0),
+            handler=handler,
+            ssl_context=server_ssl_context(cert, key),
+            tls_engine=engine,
+            setup_timeout=0.3,
+        )
+        address = server.address
+        assert isinstance(address, tuple)
+        try:
+            reader, writer = await asyncio.open_connection(*address)
+            writer.write(says)
+            await writer.drain()
+            with contextlib.suppress(ConnectionResetError):  # the server closed the socket
+                assert await asyncio.wait_for(reader.read(), 30) == b""
+            writer.close()
+            while server.protocols or server.tasks:
                 await asyncio.sleep(0.01)
         finally:
             server.close()

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test setup lint clean
 
-$(STAMP): pyproject.toml setup.py kvsp/_sha256x2.c moqt/_objscan.c
+$(STAMP): pyproject.toml setup.py kvsp/_sha256x2.c moqt/_objscan.c moqt/_tlsrecords.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[engine,redis,quic-fast,sim,transformers,test]'
@@ -19,8 +19,10 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/kvsp demo
 
+# Two workers (pytest-xdist), each test file on one of them so that a module's servers start
+# once: most tests wait on real processes and sockets, so two halve the suite on 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvsp.cli import main
@@ -27,6 +28,7 @@ from kvsp.demo.procs import ProcessGroup
 from kvsp.demo.scenario import BackgroundGeneration
 from kvsp.demo.summary import Figures, print_report
 from kvsp.errors import ClusterError
+from kvsp.ids import CompatId, ScopeId
 from kvsp.records import ReplicaRecord
 from kvsp.services.index.app import IndexConfig, create_index_app
 from kvsp.stores.descriptors import DescriptorRegistry
@@ -166,6 +168,56 @@ def test_the_stream_delivers_each_index_once_and_drops_lower_epochs() -> None:
     assert (stream.duplicates, stream.mismatched, stream.epochs) == (2, 0, [1, 2])
     stream.offer({"index": 0, "epoch": 2, "token": 4})  # a repeat that differs is counted
     assert stream.mismatched == 1
+
+
+# --- a directive's outcome ---------------------------------------------------------------------
+
+
+def demo_client(handler: Any) -> DemoClient:
+    """A DemoClient whose admin requests ``handler`` answers (an ``httpx.MockTransport``)."""
+    client = DemoClient(
+        "http://control/",
+        client_token="c" * 40,
+        admin_token="a" * 40,
+        scope_key=bytes(32),
+        scope=ScopeId(bytes(16)),
+        compat=CompatId(bytes(32)),
+        block_tokens=16,
+    )
+    client._admin.close()
+    client._admin = httpx.Client(transport=httpx.MockTransport(handler))
+    return client
+
+
+def test_a_directive_outcome_is_long_polled_and_seen_as_the_directive_stops() -> None:
+    asked: list[httpx.URL] = []
+    states = iter(["pending", "pending", "complete"])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url)
+        return httpx.Response(200, json={"directive": "d", "state": next(states), "loaded": []})
+
+    with demo_client(handler) as client:
+        outcome = client.directive_outcome("http://a/", "d", timeout_s=30)
+    assert outcome["state"] == "complete" and len(asked) == 3
+    # each GET waits at the instance, which answers as the directive stops: no poll interval
+    # of the client's own lies between the end and the answer
+    for url in asked:
+        assert url.path == "/prefetch/d"
+        assert 0 < int(url.params["wait_ms"]) <= 10_000
+
+
+def test_a_directive_still_pending_at_the_timeout_is_a_timeout_error() -> None:
+    waits: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        waits.append(int(request.url.params["wait_ms"]))
+        time.sleep(waits[-1] / 1000)  # the instance holds the request that long
+        return httpx.Response(200, json={"directive": "d", "state": "pending", "loaded": []})
+
+    with demo_client(handler) as client, pytest.raises(TimeoutError, match="directive d"):
+        client.directive_outcome("http://a/", "d", timeout_s=0.3)
+    assert waits and all(0 < w <= 300 for w in waits)  # never asks to wait past the timeout
 
 
 # --- what the scenario waits on -----------------------------------------------------------------

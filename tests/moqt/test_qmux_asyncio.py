@@ -44,6 +44,7 @@ from moqt.qmux_asyncio import (
 from moqt.qmux_frames import NO_APPLICATION_PROTOCOL
 from moqt.session_events import FetchReceived, ObjectData, ObjectHeader, SubscribeReceived
 from moqt.wire import Location
+from tests.support.qmux_servers import listening, released
 
 NS = (b"kvsp", b"qmux")
 TRACK = b"block"
@@ -571,18 +572,13 @@ def test_tls_hands_its_transport_batches_so_the_peer_decrypts_while_more_is_encr
 def test_a_client_that_never_sets_up_is_dropped_at_the_setup_timeout(
     carrier: str, tmp_path: Path
 ) -> None:
-    reached: list[MOQTConnection] = []
+    if carrier == "unix":
+        endpoint = QMuxEndpoint("unix", None, None, str(tmp_path / "q.sock"))
+    else:
+        endpoint = QMuxEndpoint("tcp", "127.0.0.1", 0)
 
-    async def handler(connection: MOQTConnection) -> None:
-        reached.append(connection)
-
-    async def main() -> None:
-        if carrier == "unix":
-            endpoint = QMuxEndpoint("unix", None, None, str(tmp_path / "q.sock"))
-        else:
-            endpoint = QMuxEndpoint("tcp", "127.0.0.1", 0)
-        server = await serve_qmux(endpoint, handler=handler, setup_timeout=0.3)
-        try:
+    async def main() -> list[MOQTConnection]:
+        async with listening(endpoint, setup_timeout=0.3) as (server, reached):
             address = server.address
             if isinstance(address, str):
                 reader, writer = await asyncio.open_unix_connection(address)
@@ -594,11 +590,7 @@ def test_a_client_that_never_sets_up_is_dropped_at_the_setup_timeout(
                 while await asyncio.wait_for(reader.read(65536), 30):
                     pass
             writer.close()
-            while server.protocols or server.tasks:
-                await asyncio.sleep(0.01)
-        finally:
-            server.close()
-            await server.wait_closed()
+            await released(server)
+            return reached
 
-    asyncio.run(main())
-    assert reached == []
+    assert asyncio.run(main()) == []

@@ -35,6 +35,7 @@ from moqt.qmux_asyncio import (
     server_ssl_context,
 )
 from moqt.qmux_tls import TLSWorkerTransport, open_tls_connection, serve_tls
+from tests.support.qmux_servers import listening, released
 from tests.support.tls_peer import Peer
 
 MiB = 1 << 20
@@ -255,23 +256,17 @@ def test_handshake_with_an_untrusted_certificate_is_a_verification_error(
 ) -> None:
     cert, key = certs
     other, _ = make_self_signed("localhost", tmp_path)  # a CA that did not sign the server's
-    reached: list[MOQTConnection] = []
 
-    async def handler(connection: MOQTConnection) -> None:
-        reached.append(connection)
-
-    async def main() -> None:
-        server = await serve_qmux(
+    async def main() -> list[MOQTConnection]:
+        async with listening(
             QMuxEndpoint("tls", "127.0.0.1", 0),
-            handler=handler,
             ssl_context=server_ssl_context(cert, key),
             tls_engine=engine,
             setup_timeout=120,  # the server lets go of the connection long before this
-        )
-        address = server.address
-        assert isinstance(address, tuple)
-        host, port = address
-        try:
+        ) as (server, reached):
+            address = server.address
+            assert isinstance(address, tuple)
+            host, port = address
             with pytest.raises(ssl.SSLCertVerificationError):
                 async with connect_qmux(
                     QMuxEndpoint("tls", host, port),
@@ -280,18 +275,10 @@ def test_handshake_with_an_untrusted_certificate_is_a_verification_error(
                     tls_engine=engine,
                 ):
                     pass
+            await asyncio.wait_for(released(server), 30)  # the server's side ends too, at once
+            return reached
 
-            async def released() -> None:  # the server's side of it ends too, at once
-                while server.protocols or server.tasks:
-                    await asyncio.sleep(0.01)
-
-            await asyncio.wait_for(released(), 30)
-        finally:
-            server.close()
-            await server.wait_closed()
-
-    asyncio.run(main())
-    assert reached == []
+    assert asyncio.run(main()) == []
 
 
 @pytest.mark.parametrize("engine", get_args(TLSEngine))
@@ -300,36 +287,26 @@ def test_a_client_that_never_finishes_the_handshake_is_dropped_at_the_setup_time
     certs: tuple[str, str], engine: TLSEngine, says: bytes
 ) -> None:
     cert, key = certs
-    reached: list[MOQTConnection] = []
 
-    async def handler(connection: MOQTConnection) -> None:
-        reached.append(connection)
-
-    async def main() -> None:
-        server = await serve_qmux(
+    async def main() -> list[MOQTConnection]:
+        async with listening(
             QMuxEndpoint("tls", "127.0.0.1", 0),
-            handler=handler,
             ssl_context=server_ssl_context(cert, key),
             tls_engine=engine,
             setup_timeout=0.3,
-        )
-        address = server.address
-        assert isinstance(address, tuple)
-        try:
+        ) as (server, reached):
+            address = server.address
+            assert isinstance(address, tuple)
             reader, writer = await asyncio.open_connection(*address)
             writer.write(says)
             await writer.drain()
             with contextlib.suppress(ConnectionResetError):  # the server closed the socket
                 assert await asyncio.wait_for(reader.read(), 30) == b""
             writer.close()
-            while server.protocols or server.tasks:
-                await asyncio.sleep(0.01)
-        finally:
-            server.close()
-            await server.wait_closed()
+            await released(server)
+            return reached
 
-    asyncio.run(main())
-    assert reached == []
+    assert asyncio.run(main()) == []
 
 
 def test_the_worker_thread_ends_with_a_qmux_connection(certs: tuple[str, str]) -> None:

@@ -2,7 +2,9 @@
 way (d16 relay rules; DESIGN.md §4 "stored block fetched by standalone FETCH"; asyncio shell).
 
 From the cache: FETCH_OK with the last cached Location of the range and the track's
-extensions, then one fetch stream with every object, its properties as cached. Upstream:
+extensions, then one fetch stream with every object, its properties as cached, written as a
+publisher writes a block (:meth:`~moqt.transport.ObjectSender.send_objects`: runs of whole
+objects, headers encoded together, the cached pieces passed on uncopied). Upstream:
 the same FETCH to the route's source; FETCH_OK is withheld until the source's arrives (its
 End Location is then known), its objects are forwarded as they arrive, compared with cached
 copies (a differing copy resets the stream with MALFORMED_TRACK and tombstones the track) and
@@ -32,6 +34,7 @@ from moqt.asyncio import MalformedTrackError, MOQTConnection, RequestRejected, S
 from moqt.errors import RequestErrorCode, StreamResetCode
 from moqt.messages import StandaloneFetch
 from moqt.objects import ObjectStart
+from moqt.session_data import StreamObject
 from moqt.session_events import (
     DataStreamFinished,
     DataStreamReset,
@@ -62,23 +65,20 @@ async def serve_cached(connection: MOQTConnection, request_id: int, plan: FetchP
             track_extensions=plan.extensions,
         )
         stream = await connection.open_fetch_stream(request_id)
-        last = len(plan.objects) - 1
-        if last < 0:  # a joining FETCH with no history here: an empty stream
-            session.finish_stream(stream)
-            connection.transmit()
-        for index, obj in enumerate(plan.objects):
-            session.begin_fetch_object(
-                stream,
-                group_id=obj.group_id,
+        objects = [  # a joining FETCH with no history here has none: an empty stream
+            StreamObject(
                 object_id=obj.object_id,
-                payload_length=obj.size,
+                payload=obj.payload,
+                extensions=obj.extensions,
+                group_id=obj.group_id,
                 subgroup_id=obj.subgroup_id,
                 publisher_priority=DEFAULT_PRIORITY
                 if obj.publisher_priority is None
                 else obj.publisher_priority,
-                extensions=obj.extensions,
             )
-            await connection.write_payload(stream, obj.payload, end_stream=index == last)
+            for obj in plan.objects
+        ]
+        await connection.send_objects(stream, objects, end_stream=True)
     except LocalProtocolError:
         pass  # FETCH_CANCEL, or the session closed
     except SessionClosedError:

@@ -237,30 +237,40 @@ IN_PLACE_FROM = 256 * 1024
 be (:func:`container_octets`); smaller ones are encoded anew, which costs less than checking."""
 
 
-def container_octets(container: Container) -> bytes:
-    """The container's encoding (§4.3) without a copy when the layers are views of one buffer
-    holding exactly that encoding, each at its place (a received body): that buffer; else a
-    new encoding.
+def container_octets(container: Container) -> tuple[bytes | memoryview, bool]:
+    """The container's encoding (§4.3), and whether it is the buffer the layers lie in: without
+    a copy when the layers are views of one buffer holding exactly that encoding, each at its
+    place (a received body): that buffer (a ``bytes`` or ``bytearray`` itself, any other
+    exporter as a read-only view); else a new encoding.
 
     Whether each K and V view lies at its encoded offset is checked by address, so a buffer
     whose layers are arranged otherwise is never mistaken for the encoding.
     """
     layers = container.layers
-    body = layers[0].k.obj if layers else None
-    if not isinstance(body, bytes | bytearray) or len(body) < IN_PLACE_FROM:
-        return container.encode()
+    owner = layers[0].k.obj if layers else None
+    if owner is None:
+        return container.encode(), False
+    try:
+        body = memoryview(owner)  # any buffer exporter
+    except TypeError:
+        return container.encode(), False
+    if body.nbytes < IN_PLACE_FROM or not body.c_contiguous:
+        return container.encode(), False
+    body = body.cast("B") if body.format != "B" or body.ndim != 1 else body
     header = container.header_bytes
     offset = len(header)
     size = offset + sum(layer.k.nbytes + layer.v.nbytes for layer in layers)
-    if len(body) != size or not body.startswith(header):
-        return container.encode()
-    base = _address(memoryview(body))
+    if body.nbytes != size or body[:offset] != header:
+        return container.encode(), False
+    base = _address(body)
     for layer in layers:
         for view in (layer.k, layer.v):
-            if view.obj is not body or _address(view) != base + offset:
-                return container.encode()
+            if view.obj is not owner or _address(view) != base + offset:
+                return container.encode(), False
             offset += view.nbytes
-    return body  # type: ignore[return-value]  # a bytearray: accepted wherever bytes is
+    if isinstance(owner, bytes | bytearray):
+        return owner, True  # type: ignore[return-value]  # a bytearray: accepted as bytes is
+    return body.toreadonly(), True
 
 
 def _address(view: memoryview) -> int:
@@ -274,9 +284,11 @@ def verified_meta(
     verified: Container,
     geometry: Geometry,
     layer_digests: Sequence[bytes],
+    repr_digest: bytes | None = None,
 ) -> BlockMeta:
     """The :class:`BlockMeta` of ``data``, the caller's own encoding of ``verified`` (whose
-    layers hashed to ``layer_digests``): nothing is decoded or hashed but the Repr-Digest.
+    layers hashed to ``layer_digests``): nothing is decoded or hashed but the Repr-Digest, and
+    not that when the caller knows it (``repr_digest``: ``data`` is a body checked against it).
 
     Raises:
         DigestMismatch: ``layer_digests`` does not have one digest per layer.
@@ -294,7 +306,7 @@ def verified_meta(
         size=len(data) if isinstance(data, bytes) else data.nbytes,
         layer_digests=digests,
         digest=replica_digest(digests),
-        repr_digest=hashlib.sha256(data).digest(),
+        repr_digest=hashlib.sha256(data).digest() if repr_digest is None else repr_digest,
     )
 
 

@@ -371,12 +371,15 @@ class BlockClient:
         url = f"{base}blocks/{record.compat_id.hex()}/{record.scope_id.hex()}/"
         url += record.block_key.hex() + query
 
+        checked: list[bytes] = []  # the Repr-Digest the body is verified against
+
         def consumer(
             head: ResponseHead, length: int | None
         ) -> VerifyingBody | SliceBody | BytesBody:
             if head.status != 200:
                 return BytesBody(length, MAX_ERROR_BODY)
-            return self._verifying_body(plan, _repr_digest_of(head), length, sink)
+            checked.append(_repr_digest_of(head))
+            return self._verifying_body(plan, checked[-1], length, sink)
 
         headers = {**self._auth(url), "accept": f"{BLOCK_MEDIA_TYPE}, {PROBLEM_JSON}"}
         response = await self.bulk.request("GET", url, headers=headers, consumer=consumer)
@@ -390,6 +393,7 @@ class BlockClient:
             record=record,
             source=base,
             producer_verified=producer,
+            body_digest=checked[-1],
         )
         return block, header_size(container.layer_count) + _layer_octets(container)
 

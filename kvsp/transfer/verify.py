@@ -69,6 +69,11 @@ class VerifiedBlock(Container):
     record: ReplicaRecord
     source: str
     producer_verified: bool
+    body_digest: bytes | None = None
+    """The SHA-256 of the HTTP body that carried the block, checked against its Repr-Digest
+    (RFC 9530); None where no body was so checked (MOQT). It is the Repr-Digest of the block's
+    encoding while the layers lie in that body in place (:func:`~kvsp.stores.blocks.
+    container_octets` says so)."""
 
 
 # -- what one request must return ---------------------------------------------------------------

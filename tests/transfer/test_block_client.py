@@ -122,6 +122,8 @@ def test_whole_block_is_verified(server: RunningService, mode: str, hashing: str
     assert (block.first_layer, block.layer_count, block.token_count) == (0, 8, srv.TOKENS)
     assert block.producer_verified and block.source == holder and same_layers(block, 0, 7)
     assert block.digest() == record(holder).digest
+    # the body's checked Repr-Digest comes with it (a holder storing it need not hash again)
+    assert block.body_digest == hashlib.sha256(srv.block_container(KEY)).digest()
 
 
 @pytest.mark.parametrize("hashing", HASHING)

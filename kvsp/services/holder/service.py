@@ -538,7 +538,8 @@ class Holder:
         received buffer itself when the layers lie in it in order, :func:`container_octets`),
         so nothing is compared, and only the Repr-Digest is hashed when the block was checked
         against the producer's record (:func:`verified_meta`); otherwise it is hashed as any
-        body.
+        body. Not even the Repr-Digest is hashed when the octets are the HTTP body the client
+        received and checked against one (``body_digest``, the layers still in it).
 
         Raises:
             as :meth:`put_block`.
@@ -547,15 +548,22 @@ class Holder:
         descriptor = self.check_put(principal, ref)
         geometry = Geometry.from_descriptor(descriptor)
         digests = _verified_digests(ref, block, geometry)
-        data = container_octets(block)
+        data, in_place = container_octets(block)
+        known = block.body_digest if in_place else None
         if digests is None:
-            meta = await _describe(ref, memoryview(data), geometry)
+            meta = await _describe(ref, memoryview(data), geometry, known)
+        elif known is not None:
+            meta = verified_meta(ref, data, block, geometry, digests, known)  # nothing to hash
         else:
             meta = await _offload(len(data), verified_meta, ref, data, block, geometry, digests)
         return await self._keep(descriptor, meta, data, publish)
 
     async def _keep(
-        self, descriptor: CompatibilityDescriptor, meta: BlockMeta, data: bytes, publish: bool
+        self,
+        descriptor: CompatibilityDescriptor,
+        meta: BlockMeta,
+        data: bytes | memoryview,
+        publish: bool,
     ) -> StoredBlock:
         if meta.token_count != descriptor.block_tokens:
             raise Incompatible(
@@ -769,10 +777,15 @@ def _grant_of(lease: Lease, ttl_ms: int, keys: Sequence[BlockKey]) -> LeaseGrant
     return LeaseGrant(lease=lease.id, ttl_ms=ttl_ms, block_keys=tuple(keys))
 
 
-async def _describe(ref: BlockRef, data: memoryview, geometry: Geometry) -> BlockMeta:
-    """:func:`describe_block`, with the two passes over a large block in two threads."""
+async def _describe(
+    ref: BlockRef, data: memoryview, geometry: Geometry, repr_digest: bytes | None = None
+) -> BlockMeta:
+    """:func:`describe_block`, with the two passes over a large block in two threads (the
+    layer digests alone, in one, when the Repr-Digest is known)."""
     if data.nbytes < OFFLOAD_BYTES:
-        return describe_block(ref, data, geometry)
+        return describe_block(ref, data, geometry, repr_digest)
+    if repr_digest is not None:
+        return await asyncio.to_thread(describe_block, ref, data, geometry, repr_digest)
     whole = asyncio.ensure_future(asyncio.to_thread(_sha256_parts, (data,)))
     try:
         meta = await asyncio.to_thread(describe_block, ref, data, geometry, bytes(32))

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 
 from kvsp.compat import CompatibilityDescriptor
@@ -586,7 +587,8 @@ def test_a_received_container_is_kept_in_its_buffer_only_when_laid_out_as_encode
     body = bytearray(encode_container(pairs, first_layer=0, token_count=16, geometry=geometry))
     assert len(body) >= IN_PLACE_FROM
     decoded = decode_container(memoryview(body), geometry)
-    assert id(container_octets(decoded)) == id(body)  # the received buffer itself, uncopied
+    octets, in_place = container_octets(decoded)
+    assert id(octets) == id(body) and in_place  # the received buffer itself, uncopied
     # the same octets, but the first two layers' views swapped: not the encoding's layout
     swapped = type(decoded)(
         version=decoded.version,
@@ -601,5 +603,113 @@ def test_a_received_container_is_kept_in_its_buffer_only_when_laid_out_as_encode
             *decoded.layers[2:],
         ),
     )
-    octets = container_octets(swapped)
+    octets, in_place = container_octets(swapped)
     assert id(octets) != id(body) and octets == swapped.encode() != bytes(body)
+    assert not in_place
+
+
+def big_body() -> tuple[CompatibilityDescriptor, np.ndarray]:
+    """A container of at least IN_PLACE_FROM octets, received into a numpy buffer (as
+    BlockClient's receive buffers are), and its descriptor."""
+    from kvsp.engine.toy import toy_descriptor
+    from kvsp.stores.blocks import IN_PLACE_FROM
+
+    descriptor = toy_descriptor(
+        layers=8, kv_heads=8, head_dim=128, kv_dtype="fp16", block_tokens=16
+    )
+    geometry = Geometry.from_descriptor(descriptor)
+    section = geometry.section_length(16)
+    pairs = [(bytes([i]) * section, bytes([i, 2]) * (section // 2)) for i in range(8)]
+    encoded = encode_container(pairs, first_layer=0, token_count=16, geometry=geometry)
+    assert len(encoded) >= IN_PLACE_FROM
+    buffer = np.empty(len(encoded), dtype=np.uint8)
+    buffer[:] = np.frombuffer(encoded, dtype=np.uint8)
+    return descriptor, buffer
+
+
+def big_holder(descriptor: CompatibilityDescriptor) -> Holder:
+    registry = DescriptorRegistry()
+    registry.add(descriptor)
+    config = HolderConfig(
+        public_url=URL,
+        tiers={Tier.HOST: 16 << 20},
+        record_ttl_ms=TTL,
+        fsync=False,
+    )
+    return Holder(config, index=None, descriptors=registry, clock=ManualClock(0))
+
+
+def test_a_container_received_into_a_numpy_buffer_is_taken_from_it_read_only() -> None:
+    from kvsp.stores.blocks import container_octets
+
+    descriptor, buffer = big_body()
+    decoded = decode_container(buffer.data.cast("B"), Geometry.from_descriptor(descriptor))
+    octets, in_place = container_octets(decoded)
+    assert in_place and isinstance(octets, memoryview) and octets.readonly
+    assert octets.obj is buffer and bytes(octets) == buffer.tobytes()  # no new encoding
+
+
+def test_a_checked_http_body_kept_in_place_is_not_hashed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """put_verified takes the Repr-Digest the client checked the body against when the octets
+    it stores are that body; a block whose layers lie elsewhere is hashed as before."""
+    import kvsp.stores.blocks as blocks
+    from kvsp.compat import compat_id
+    from kvsp.transfer.verify import VerifiedBlock
+
+    descriptor, buffer = big_body()
+    compat = CompatId(compat_id(descriptor))
+    decoded = decode_container(buffer.data.cast("B"), Geometry.from_descriptor(descriptor))
+    body_digest = hashlib.sha256(buffer.tobytes()).digest()
+    source = big_holder(descriptor)
+    records = {
+        n: source.record_of(run(source.put_block(ALICE, compat, SCOPE, key(n), buffer.tobytes())))
+        for n in (1, 2)
+    }
+    hashed: list[int] = []  # octets given to SHA-256, call by call
+    real = hashlib.sha256
+
+    class Counting:
+        def __init__(self, data: Any = b"") -> None:
+            self._hash = real()
+            self.update(data)
+
+        def update(self, data: Any) -> None:
+            hashed.append(memoryview(data).nbytes)
+            self._hash.update(data)
+
+        def digest(self) -> bytes:
+            return self._hash.digest()
+
+    monkeypatch.setattr(blocks.hashlib, "sha256", Counting)
+
+    def verified(n: int, in_place: bool) -> VerifiedBlock:
+        layers = decoded.layers
+        if not in_place:
+            layers = tuple(
+                replace(layer, k=memoryview(bytes(layer.k)), v=memoryview(bytes(layer.v)))
+                for layer in layers
+            )
+        return VerifiedBlock(
+            version=decoded.version,
+            flags=decoded.flags,
+            codec=decoded.codec,
+            first_layer=decoded.first_layer,
+            layer_count=decoded.layer_count,
+            token_count=decoded.token_count,
+            layers=layers,
+            record=records[n],
+            source=URL,
+            producer_verified=True,
+            body_digest=body_digest,
+        )
+
+    holder = big_holder(descriptor)
+    kept = run(holder.put_verified(ALICE, compat, SCOPE, key(1), verified(1, True)))
+    assert kept.meta.repr_digest == body_digest
+    assert sum(hashed) == 8 * 32  # the replica digest's input alone: the layer digests
+    hashed.clear()
+    copied = run(holder.put_verified(ALICE, compat, SCOPE, key(2), verified(2, False)))
+    assert copied.meta.repr_digest == body_digest and buffer.nbytes in hashed
+    assert bytes(holder.store.read(kept)) == bytes(holder.store.read(copied)) == buffer.tobytes()

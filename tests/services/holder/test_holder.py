@@ -510,17 +510,17 @@ def test_leasing_a_block_not_held_is_not_found() -> None:
 # -- storing a block a client verified (put_block verified=, put_verified) ----------------------
 
 
-def verified_block(n: int, *, producer: bool = True, seed: int | None = None) -> Any:
-    """Block ``n`` as a client verified it against its producer's record (or, with ``seed``,
-    a block of other octets claiming that record)."""
+def verified_of(
+    decoded: Any,
+    record: ReplicaRecord,
+    *,
+    layers: Sequence[Any] | None = None,
+    producer: bool = True,
+    body_digest: bytes | None = None,
+) -> Any:
+    """``decoded`` (with other ``layers``) as a client verified it against ``record``."""
     from kvsp.transfer.verify import VerifiedBlock
 
-    record_source = make_holder()
-    put(record_source, n)
-    stored = record_source.store.get(ref(n))
-    assert stored is not None
-    record = record_source.record_of(stored)
-    decoded = decode_container(container(n if seed is None else seed), GEOMETRY)
     return VerifiedBlock(
         version=decoded.version,
         flags=decoded.flags,
@@ -528,11 +528,24 @@ def verified_block(n: int, *, producer: bool = True, seed: int | None = None) ->
         first_layer=decoded.first_layer,
         layer_count=decoded.layer_count,
         token_count=decoded.token_count,
-        layers=decoded.layers,
+        layers=tuple(decoded.layers if layers is None else layers),
         record=record,
         source=URL,
         producer_verified=producer,
+        body_digest=body_digest,
     )
+
+
+def verified_block(n: int, *, producer: bool = True, seed: int | None = None) -> Any:
+    """Block ``n`` as a client verified it against its producer's record (or, with ``seed``,
+    a block of other octets claiming that record)."""
+    record_source = make_holder()
+    put(record_source, n)
+    stored = record_source.store.get(ref(n))
+    assert stored is not None
+    record = record_source.record_of(stored)
+    decoded = decode_container(container(n if seed is None else seed), GEOMETRY)
+    return verified_of(decoded, record, producer=producer)
 
 
 def test_a_verified_block_is_stored_with_the_digests_it_was_verified_against() -> None:
@@ -656,7 +669,6 @@ def test_a_checked_http_body_kept_in_place_is_not_hashed_again(
     it stores are that body; a block whose layers lie elsewhere is hashed as before."""
     import kvsp.stores.blocks as blocks
     from kvsp.compat import compat_id
-    from kvsp.transfer.verify import VerifiedBlock
 
     descriptor, buffer = big_body()
     compat = CompatId(compat_id(descriptor))
@@ -684,26 +696,14 @@ def test_a_checked_http_body_kept_in_place_is_not_hashed_again(
 
     monkeypatch.setattr(blocks.hashlib, "sha256", Counting)
 
-    def verified(n: int, in_place: bool) -> VerifiedBlock:
+    def verified(n: int, in_place: bool) -> Any:
         layers = decoded.layers
         if not in_place:
             layers = tuple(
                 replace(layer, k=memoryview(bytes(layer.k)), v=memoryview(bytes(layer.v)))
                 for layer in layers
             )
-        return VerifiedBlock(
-            version=decoded.version,
-            flags=decoded.flags,
-            codec=decoded.codec,
-            first_layer=decoded.first_layer,
-            layer_count=decoded.layer_count,
-            token_count=decoded.token_count,
-            layers=layers,
-            record=records[n],
-            source=URL,
-            producer_verified=True,
-            body_digest=body_digest,
-        )
+        return verified_of(decoded, records[n], layers=layers, body_digest=body_digest)
 
     holder = big_holder(descriptor)
     kept = run(holder.put_verified(ALICE, compat, SCOPE, key(1), verified(1, True)))

@@ -303,7 +303,7 @@ def verified_meta(
         layer_count=verified.layer_count,
         token_count=verified.token_count,
         total_layers=geometry.layers,
-        size=len(data) if isinstance(data, bytes) else data.nbytes,
+        size=data.nbytes if isinstance(data, memoryview) else len(data),
         layer_digests=digests,
         digest=replica_digest(digests),
         repr_digest=hashlib.sha256(data).digest() if repr_digest is None else repr_digest,

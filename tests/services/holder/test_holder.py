@@ -713,3 +713,21 @@ def test_a_checked_http_body_kept_in_place_is_not_hashed_again(
     copied = run(holder.put_verified(ALICE, compat, SCOPE, key(2), verified(2, False)))
     assert copied.meta.repr_digest == body_digest and buffer.nbytes in hashed
     assert bytes(holder.store.read(kept)) == bytes(holder.store.read(copied)) == buffer.tobytes()
+
+
+def test_a_verified_block_in_place_in_a_bytearray_is_stored() -> None:
+    """A received body in a bytearray (large, the layers in place) is stored from it, its
+    Repr-Digest hashed (no body digest came with it)."""
+    from kvsp.compat import compat_id
+
+    descriptor, buffer = big_body()
+    compat = CompatId(compat_id(descriptor))
+    body = bytearray(buffer.tobytes())
+    decoded = decode_container(memoryview(body), Geometry.from_descriptor(descriptor))
+    source = big_holder(descriptor)
+    record = source.record_of(run(source.put_block(ALICE, compat, SCOPE, key(1), bytes(body))))
+    holder = big_holder(descriptor)
+    kept = run(holder.put_verified(ALICE, compat, SCOPE, key(1), verified_of(decoded, record)))
+    assert kept.meta.size == len(body)
+    assert kept.meta.repr_digest == hashlib.sha256(body).digest()
+    assert bytes(holder.store.read(kept)) == bytes(body)

@@ -540,13 +540,19 @@ PyDoc_STRVAR(open_doc,
 "    ssl.SSLError: a record that does not authenticate, an alert, a malformed record or\n"
 "        message; nothing may be read after it.");
 
+static int in_use(const Records *r) {
+    /* another thread is in open() or seal() (the GIL is released there): set the error */
+    if (!r->busy) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "Records is in use by another thread");
+    return 1;
+}
+
 static PyObject *Records_open(Records *r, PyObject *args) {
     Py_buffer data, out;
     if (!PyArg_ParseTuple(args, "y*w*:open", &data, &out)) return NULL;
-    if (r->busy) {
+    if (in_use(r)) {
         PyBuffer_Release(&data);
         PyBuffer_Release(&out);
-        PyErr_SetString(PyExc_RuntimeError, "Records is in use by another thread");
         return NULL;
     }
     if (r->closed) { /* after close_notify nothing more is read */
@@ -807,10 +813,7 @@ PyDoc_STRVAR(seal_doc,
 "change until it returns.");
 
 static PyObject *Records_seal(Records *r, PyObject *arg) {
-    if (r->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "Records is in use by another thread");
-        return NULL;
-    }
+    if (in_use(r)) return NULL;
     if (r->sent_close) {
         PyErr_SetString(PyExc_ValueError, "close_notify was sent: nothing more can be");
         return NULL;
@@ -848,10 +851,7 @@ PyDoc_STRVAR(close_notify_doc,
 "Our close_notify alert (RFC 8446 §6.1), after which seal() refuses.");
 
 static PyObject *Records_close_notify(Records *r, PyObject *unused) {
-    if (r->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "Records is in use by another thread");
-        return NULL;
-    }
+    if (in_use(r)) return NULL;
     if (r->sent_close) return PyBytes_FromStringAndSize(NULL, 0);
     PyObject *result = sealed(r, NULL, 0, 0, CT_ALERT);
     r->sent_close = 1;

@@ -508,14 +508,20 @@ def test_key_update_from_the_stock_peer(
     assert open_all(r, s.from_stock(b"still fine"))[0] == b"still fine"
 
 
-def test_a_requested_update_is_answered_even_without_data(
-    certs: tuple[str, str], tmp_path: Path
-) -> None:
-    """seal([]) with an answer due carries the KeyUpdate alone."""
+def update_requested(certs: tuple[str, str], tmp_path: Path) -> Session:
+    """A server-side handshake whose stock client sent a KeyUpdate asking for ours, read."""
     s = handshake(certs, tmp_path, server_side=True)
     lib, pointer = ssl_pointer(s.stock)
     assert lib.SSL_key_update(pointer, 1) == 1
     assert open_all(s.records, s.from_stock(b"x"))[0] == b"x"
+    return s
+
+
+def test_a_requested_update_is_answered_even_without_data(
+    certs: tuple[str, str], tmp_path: Path
+) -> None:
+    """seal([]) with an answer due carries the KeyUpdate alone."""
+    s = update_requested(certs, tmp_path)
     sealed = s.records.seal([])
     assert s.stock_receiver().open_all(sealed) == [(HANDSHAKE, b"\x18\x00\x00\x01\x00")]
     assert s.to_stock(sealed) == b""
@@ -580,10 +586,7 @@ def test_our_close_notify(certs: tuple[str, str], server_side: bool) -> None:
 def test_close_notify_carries_a_requested_key_update_first(
     certs: tuple[str, str], tmp_path: Path
 ) -> None:
-    s = handshake(certs, tmp_path, server_side=True)
-    lib, pointer = ssl_pointer(s.stock)
-    assert lib.SSL_key_update(pointer, 1) == 1
-    assert open_all(s.records, s.from_stock(b"x"))[0] == b"x"
+    s = update_requested(certs, tmp_path)
     closing = s.records.close_notify()
     assert s.stock_receiver().open_all(closing) == [
         (HANDSHAKE, b"\x18\x00\x00\x01\x00"),

@@ -155,9 +155,22 @@ async def answer_in_part(publisher: MOQTConnection, block: Block, whole: int, pa
     return stream
 
 
-async def read_events(connection: MOQTConnection, block: Block, count: int) -> list[MOQTEvent]:
+async def read_events(
+    connection: MOQTConnection, block: Block, count: int, into: list[MOQTEvent] | None = None
+) -> list[MOQTEvent]:
+    """FETCH objects 0..count-1 of ``block`` and return every event of the response; ``into``
+    receives them as they arrive, for a test that acts once the subscriber has seen enough."""
+    events = [] if into is None else into
     response = await connection.fetch(*block.track, Location(0, 0), Location(0, count))
-    return [event async for event in response.track.events()]
+    async for event in response.track.events():
+        events.append(event)
+    return events
+
+
+def seen_whole(events: list[MOQTEvent], block: Block, count: int) -> bool:
+    """Whether the subscriber has seen objects 0..count-1 of ``block`` whole so far."""
+    seen = payloads(events)
+    return all(seen.get(index) == block.layers[index] for index in range(count))
 
 
 def payloads(events: list[MOQTEvent]) -> dict[int, bytes]:
@@ -187,9 +200,14 @@ def test_an_upstream_reset_mid_object_is_passed_on_and_the_part_is_not_cached(
         ):
             await pub.publish_namespace(block.namespace)
             answering = asyncio.create_task(answer_in_part(pub, block, 1, LAYER // 3))
-            reading = asyncio.create_task(read_events(sub, block, 3))
+            arrived: list[MOQTEvent] = []
+            reading = asyncio.create_task(read_events(sub, block, 3, arrived))
             stream = await answering
-            await until(lambda: len(relay_objects(relay, block)) >= 1)  # object 0 is through
+            # object 0 went on whole before the upstream's reset (a reset may discard what the
+            # relay had queued but not yet sent, so the test waits for the subscriber's copy)
+            await until(
+                lambda: len(relay_objects(relay, block)) >= 1 and seen_whole(arrived, block, 1)
+            )
             pub.session.reset_data_stream(stream, UPSTREAM_RESET)
             pub.transmit()
             events = await reading
@@ -225,9 +243,12 @@ def test_an_upstream_session_lost_mid_object_resets_the_downstream_stream(
             async with session(relay, certs, carrier) as pub:
                 await pub.publish_namespace(block.namespace)
                 answering = asyncio.create_task(answer_in_part(pub, block, 2, LAYER // 2))
-                reading = asyncio.create_task(read_events(sub, block, 3))
+                arrived: list[MOQTEvent] = []
+                reading = asyncio.create_task(read_events(sub, block, 3, arrived))
                 await answering
-                await until(lambda: len(relay_objects(relay, block)) >= 2)
+                await until(
+                    lambda: len(relay_objects(relay, block)) >= 2 and seen_whole(arrived, block, 2)
+                )
             # the publisher's session is gone with object 2 half sent
             events = await reading
             seen = payloads(events)

@@ -70,6 +70,12 @@ BENCHMARKS = (
     ),
     Benchmark("moqt", "bench_moqt.py", "MOQT and the other transports", ("--quick",)),
     Benchmark(
+        "hashbatch",
+        "bench_hash_batch.py",
+        "The MOQT client's hashing batch (§6.7)",
+        ("--quick",),
+    ),
+    Benchmark(
         "ttft",
         "bench_ttft.py",
         "Time to first token (reference engine)",

@@ -59,6 +59,7 @@ from kvsp.transfer.moqt_transfer import (
     RecordSource,
     Watchdog,
     check_live,
+    hash_batch,
     parse_moqt_uri,
     plan_fetch,
     rejected_error,
@@ -140,8 +141,9 @@ class MoqtBlockClient:
         self._signer = AudienceSigner(token)
         self.timeout = timeout
         self.hash_inline_below = HASH_INLINE_BELOW
-        """FETCHes of fewer octets are hashed on the event loop; larger ones in batches of
-        :attr:`hash_batch` octets on worker threads (:class:`LayerChecks`)."""
+        """FETCHes of fewer octets are hashed on the event loop; larger ones in batches of half
+        the FETCH, at most :attr:`hash_batch` octets, on worker threads (:class:`LayerChecks`,
+        :func:`~kvsp.transfer.moqt_transfer.hash_batch`)."""
         self.hash_batch = HASH_BATCH
         self._failed: dict[MoqtAddress, float] = {}  # carrier → monotonic time it failed
         self._candidates: dict[tuple[str, tuple[str, ...] | None], tuple[MoqtAddress, ...]] = {}
@@ -350,7 +352,7 @@ class MoqtBlockClient:
         checks = LayerChecks(
             plan.record.layer_digests,
             plan.record.digest,
-            batch=self.hash_batch,
+            batch=hash_batch(plan.octets, self.hash_batch),
             span=assembler.span,
             on_hashed=None if paced else wake.set,
         )

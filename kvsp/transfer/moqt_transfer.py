@@ -69,9 +69,8 @@ DEFAULT_MOQT_PORT = 443  # d16 §3.1.2: the moqt URI scheme's default port
 HASH_INLINE_BELOW = 256 * 1024
 """A FETCH of fewer payload octets is hashed on the event loop as it arrives (the HTTP client's
 rule, :data:`kvsp.transfer.block_client.INLINE_BELOW`): a worker thread costs more than it saves."""
-HASH_BATCH = 512 * 1024
-"""Queued layers are handed to a worker thread once they hold this many octets (or the FETCH
-ended)."""
+HASH_BATCH = 1024 * 1024
+"""The most octets of queued layers one worker-thread job hashes (:func:`hash_batch`)."""
 HASH_THREADS = 2
 T = TypeVar("T")
 
@@ -417,6 +416,15 @@ def hash_executor() -> Executor:
         return _hashers
 
 
+def hash_batch(octets: int, most: int = HASH_BATCH) -> int:
+    """The batch of a FETCH of about ``octets`` payload octets hashed on worker threads: half
+    of it, at most ``most``. The first half is hashed while the second arrives; more, smaller
+    jobs would overlap more but each costs the event loop a hand-off (a job, a future, a
+    wake-up), which on two cores costs more than the overlap saves
+    (``bench/bench_hash_batch.py``; bench/NOTES.md)."""
+    return max(1, min(most, octets // 2))
+
+
 def digest_layers(layers: Sequence[Layer]) -> list[bytes]:
     """Each layer's digest (§4.3), in order: one worker-thread job."""
     return [layer_digest(layer.k, layer.v) for layer in layers]
@@ -623,6 +631,12 @@ class FetchPlan:
     geometry: Geometry
     token_count: int | None
     sink: LayerSink | None
+
+    @property
+    def octets(self) -> int:
+        """About how many octets the FETCH carries: the record's size, in proportion to the
+        layers asked for (what its hashing batches are sized by, :func:`hash_batch`)."""
+        return self.record.size * (self.last - self.first + 1) // max(1, self.geometry.layers)
 
 
 def plan_fetch(

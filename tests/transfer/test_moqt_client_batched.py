@@ -155,6 +155,46 @@ def test_a_large_block_is_handed_out_in_order_verified_on_worker_threads(
     run(test)
 
 
+def test_by_default_a_large_block_is_hashed_in_two_halves(
+    certs: tuple[str, str], hashed_on: list[str]
+) -> None:
+    """Half the FETCH a job (the first while the second arrives), not a job every 512 KiB."""
+
+    async def test() -> None:
+        async with holder(certs) as h:
+            h.blocks.add(stored())
+            block = await h.client.get_block(record(h.uri), geometry=GEOMETRY)
+        assert block.encode() == CONTAINER
+        assert len(hashed_on) == 2  # the 512 KiB block: two jobs of 256 KiB
+        assert hashed_on[0].startswith("kvsp-moqt-hash")
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("octets", "most", "batch"),
+    [
+        (2 << 20, moqt_transfer.HASH_BATCH, 1 << 20),  # a 2 MiB block: two jobs
+        (1 << 20, moqt_transfer.HASH_BATCH, 512 << 10),
+        (8 << 20, moqt_transfer.HASH_BATCH, moqt_transfer.HASH_BATCH),  # never more a job
+        (2 << 20, 100_000, 100_000),  # a client's own limit
+        (1, moqt_transfer.HASH_BATCH, 1),
+        (0, moqt_transfer.HASH_BATCH, 1),  # a record whose size says nothing
+    ],
+)
+def test_the_hashing_batch_is_half_the_fetch_at_most_the_limit(
+    octets: int, most: int, batch: int
+) -> None:
+    assert moqt_transfer.hash_batch(octets, most) == batch
+
+
+def test_a_plan_counts_the_octets_of_the_layers_it_fetches() -> None:
+    whole = moqt_transfer.plan_fetch(record("moqt://h/"), None, None, GEOMETRY, TOKENS, None)
+    half = moqt_transfer.plan_fetch(record("moqt://h/"), None, (0, 15), GEOMETRY, TOKENS, None)
+    assert whole.octets == len(CONTAINER)
+    assert half.octets == len(CONTAINER) // 2
+
+
 def test_a_dropped_block_lends_its_memory_to_the_next_and_a_kept_one_stays_intact(
     certs: tuple[str, str],
 ) -> None:

@@ -27,6 +27,15 @@ to the relay, and three target instances, one per variant:
     code was: the web runner answers keep-alive requests without Nagle's delay, and the
     verification, relay cache and record code are today's. Over HTTP ``before`` and ``off``
     are the same path (the HTTP client has no such options); the table shows ``before``.
+``filed``
+    The code as it was when issue #20 was filed (:data:`FILED_COMMIT`, the last commit before
+    its work), not a rebuild: :func:`filed_tree` extracts that commit from this clone's git
+    history into a temporary folder and builds its C extensions there, and a cluster of its
+    own (control, relay, source, target, all that code, run from that folder with this
+    environment's packages) serves the directive, with the flags that code took (QUIC on
+    aioquic only, no pipeline). That code has no long poll, so the status is polled every
+    :data:`FILED_POLL_S` (an error of at most that much, against it). ``kvsp demo`` at that
+    commit printed the issue's figures (MOQT 4.2 MB/s, HTTP 5.1 here on 2026-12-06).
 
 One measurement (:func:`measure_directive`): fresh blocks (new keys) are stored at the source
 and published, at the source's HTTP face and, through the relay, as ``moqt://`` replicas; then
@@ -38,9 +47,9 @@ process, and stopped at exit. With ``KVSP_BENCH_PROFILE=DIR`` in the environment
 runs under cProfile and writes ``DIR/NAME.prof`` as it stops.
 
 The CLI prints one row per block size, transport and variant, each the median of ``--reps``
-runs, and the ratio of ``after`` to ``before``. ``bench/bench_moqt.py`` imports
-:func:`measure_directive` for its line ``ratio directive-64k/directive-64k-before``
-(``pipeline=True``: ``after``; ``pipeline=False``: ``before``).
+runs, and its ratio to ``before`` and to ``filed``. ``bench/bench_moqt.py`` imports
+:func:`measure_directive` for its line ``ratio directive-64k/directive-64k-before``: ``after``
+against ``filed`` (against ``before`` where this clone lacks that commit, and says so).
 """
 
 from __future__ import annotations
@@ -48,18 +57,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import hashlib
+import io
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
@@ -70,6 +84,7 @@ from kvsp.ids import BlockKey  # noqa: E402
 from kvsp.keys import scope_id  # noqa: E402
 from kvsp.transfer.block_client import BlockClient  # noqa: E402
 from kvsp.web.auth import principal_entry, write_principals  # noqa: E402
+from kvsp.web.http import repr_digest  # noqa: E402
 from kvsp.web.testing import RunningService, start_process  # noqa: E402
 
 TOKEN = "bench-directive-admin-token-0123456789ab"
@@ -93,6 +108,10 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     ),
 }
 """Each target instance's options (see the module docstring)."""
+FILED = "filed"
+FILED_COMMIT = "20ffc221d33fdf287d1342ebb689644487d63495"
+"""The last commit before issue #20's work: the directive path the issue measured."""
+FILED_POLL_S = 0.01
 WAIT_S = 120.0
 PROFILE_ENV = "KVSP_BENCH_PROFILE"
 """Set to a folder: every process runs under cProfile and leaves ``NAME.prof`` there."""
@@ -136,6 +155,8 @@ class DirectiveCluster:
 
     block_bytes: int
     folder: Path
+    tree: Path | None = None
+    """Where the code runs from (``python -m kvsp`` there); None: this checkout."""
     services: list[RunningService] = field(default_factory=list)
     urls: dict[str, str] = field(default_factory=dict)
 
@@ -152,12 +173,12 @@ class DirectiveCluster:
             command[1:1] = ["-m", "cProfile", "-o", str(Path(profile) / f"{name}.prof")]
         command += ["--listen", "127.0.0.1:0", "--principals", str(self.folder / "p.toml")]
         command += ["--state", str(work / "state"), "--log-level", "warning"]
-        service = start_process(command, workdir=work, ready_timeout=90)
+        service = start_process(command, workdir=work, cwd=self.tree, ready_timeout=90)
         self.services.append(service)
         return service
 
-    def start(self) -> None:
-        """Start every process (control and relay first, the instances after)."""
+    def _files(self) -> tuple[Path, Path]:
+        """The principals, token, scope key and descriptor files; (token, descriptor)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         write_principals(self.folder / "p.toml", [principal_entry("admin", TOKEN, ["admin"], None)])
         token = self.folder / "admin.token"
@@ -165,6 +186,11 @@ class DirectiveCluster:
         (self.folder / "scope.key").write_text(SCOPE_KEY.hex())
         descriptor = self.folder / "descriptor.json"
         descriptor.write_text(json.dumps(self.descriptor.to_json()))
+        return token, descriptor
+
+    def start(self) -> None:
+        """Start every process (control and relay first, the instances after)."""
+        token, descriptor = self._files()
         control = self._start("control", "control").base_url
         socket = self.folder / "relay.sock"
         relay = self._start(
@@ -207,15 +233,7 @@ class DirectiveCluster:
         """Store ``count`` new blocks at the source; returns their keys once the IS has both
         the source's record and the relay's of each."""
         keys = [BlockKey(os.urandom(32)) for _ in range(count)]
-        async with BlockClient(TOKEN) as client:
-            sem = asyncio.Semaphore(8)
-
-            async def put(key: BlockKey) -> None:
-                async with sem:
-                    data = _container(self.descriptor, key)
-                    await client.put_block(self.urls["http"], self.compat, SCOPE, key, data)
-
-            await asyncio.gather(*(put(k) for k in keys))
+        await self._put_all(keys)
         holders = {self.urls["http"], self.urls["moqt"]}
         async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
             deadline = time.monotonic() + WAIT_S
@@ -232,6 +250,18 @@ class DirectiveCluster:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the blocks were not published at the source and relay")
                 await asyncio.sleep(0.05)
+
+    async def _put_all(self, keys: list[BlockKey]) -> None:
+        """PUT a container for each of ``keys`` at the source, 8 at a time."""
+        async with BlockClient(TOKEN) as client:
+            sem = asyncio.Semaphore(8)
+
+            async def put(key: BlockKey) -> None:
+                async with sem:
+                    data = _container(self.descriptor, key)
+                    await client.put_block(self.urls["http"], self.compat, SCOPE, key, data)
+
+            await asyncio.gather(*(put(k) for k in keys))
 
     async def run_directive(self, keys: list[BlockKey], *, variant: str, transport: str) -> float:
         """Post a directive for ``keys`` from ``transport``'s source to ``variant``'s target;
@@ -256,17 +286,116 @@ class DirectiveCluster:
             answer = await http.post(target + "prefetch", json=body)
             if answer.status_code != 202:
                 raise RuntimeError(f"directive refused: {answer.status_code} {answer.text}")
-            while True:  # a long poll: answered as the directive stops
-                status = (await http.get(f"{target}prefetch/{directive}?wait_ms=10000")).json()
-                if status["state"] != "pending":
-                    seconds = time.perf_counter() - began
-                    break
+            status = await self._stopped(http, f"{target}prefetch/{directive}")
+            seconds = time.perf_counter() - began
         if status["state"] != "complete":
             raise RuntimeError(f"directive ended {status['state']}: {status.get('detail')}")
         return seconds
 
+    async def _stopped(self, http: httpx.AsyncClient, url: str) -> dict[str, object]:
+        """The directive's status once it is no longer pending: a long poll, answered as the
+        directive stops."""
+        while True:
+            status: dict[str, object] = (await http.get(f"{url}?wait_ms=10000")).json()
+            if status["state"] != "pending":
+                return status
 
-_clusters: dict[int, DirectiveCluster] = {}
+
+class FiledCluster(DirectiveCluster):
+    """The ``filed`` variant's cluster: control, relay, source and one target, all running the
+    code of :data:`FILED_COMMIT` from ``tree`` with the flags that code took."""
+
+    def start(self) -> None:
+        """Start every process (control and relay first, the instances after)."""
+        token, descriptor = self._files()
+        control = self._start("control", "control").base_url
+        relay = self._start("relay", "relay", "--index", control, "--token-file", str(token))
+        faces = json.loads(relay.base_url)
+        cert = self.folder / "relay" / "state" / "relay-tls" / "cert.pem"
+        common: tuple[str, ...] = ("--control", control, "--token-file", str(token))
+        common += ("--descriptor", str(descriptor), "--tier", "host=4GiB")
+        common += ("--kv-capacity-blocks", "65536")
+        common += ("--scope-key-file", str(self.folder / "scope.key"))
+        relay_args = ("--relay", faces["moqt"], "--relay-cafile", str(cert))
+        source = self._start("source", "instance", *common, *relay_args).base_url
+        self.urls = {"control": control, "http": source, "moqt": faces["moqt"]}
+        target = self._start(f"target-{FILED}", "instance", *common, "--relay-cafile", str(cert))
+        self.urls[FILED] = target.base_url
+
+    async def _put_all(self, keys: list[BlockKey]) -> None:
+        """PUT a container for each of ``keys`` at the source with the bearer token itself
+        (that code predates audience-bound credentials), 8 at a time."""
+        base = f"{self.urls['http']}blocks/{self.compat.hex()}/{SCOPE.hex()}/"
+        async with httpx.AsyncClient(headers=AUTH, timeout=30) as http:
+            sem = asyncio.Semaphore(8)
+
+            async def put(key: BlockKey) -> None:
+                data = _container(self.descriptor, key)
+                headers = {
+                    "content-type": "application/kvsp-block",
+                    "if-none-match": "*",
+                    "repr-digest": repr_digest(hashlib.sha256(data).digest()),
+                }
+                async with sem:
+                    answer = await http.put(base + key.hex(), content=data, headers=headers)
+                if answer.status_code != 201:
+                    raise RuntimeError(f"PUT refused: {answer.status_code} {answer.text}")
+
+            await asyncio.gather(*(put(k) for k in keys))
+
+    async def _stopped(self, http: httpx.AsyncClient, url: str) -> dict[str, object]:
+        """The directive's status once it is no longer pending, polled (no long poll then)."""
+        while True:
+            status: dict[str, object] = (await http.get(url)).json()
+            if status["state"] != "pending":
+                return status
+            await asyncio.sleep(FILED_POLL_S)
+
+
+_clusters: dict[tuple[int, bool], DirectiveCluster] = {}
+_filed: dict[str, Path | str] = {}
+
+
+def filed_tree() -> Path:
+    """:data:`FILED_COMMIT`'s tree, extracted from this clone's git history into a temporary
+    folder (removed at exit) with its C extensions built in place; made once a process.
+
+    Raises:
+        RuntimeError: git or the commit is missing (a shallow clone, an archive), or the
+            extensions did not build; the message says which.
+    """
+    known = _filed.get("tree")
+    if isinstance(known, Path):
+        return known
+    if isinstance(known, str):
+        raise RuntimeError(known)
+    folder = Path(tempfile.mkdtemp(prefix="kvsp-filed-"))
+    atexit.register(shutil.rmtree, folder, True)
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", "--format=tar", FILED_COMMIT],
+            capture_output=True,
+            check=False,
+        )
+        if archive.returncode != 0:
+            why = archive.stderr.decode(errors="replace").strip()
+            raise RuntimeError(f"this clone has no commit {FILED_COMMIT[:7]}: {why}")
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(folder, filter="data")
+        built = subprocess.run(
+            [sys.executable, "setup.py", "build_ext", "--inplace"],
+            cwd=folder,
+            capture_output=True,
+            check=False,
+        )
+        if built.returncode != 0:
+            tail = built.stderr.decode(errors="replace")[-500:]
+            raise RuntimeError(f"{FILED_COMMIT[:7]}'s C extensions did not build: {tail}")
+    except (OSError, RuntimeError, tarfile.TarError) as exc:
+        _filed["tree"] = str(exc) if isinstance(exc, RuntimeError) else f"{FILED}: {exc}"
+        raise RuntimeError(_filed["tree"]) from exc
+    _filed["tree"] = folder
+    return folder
 
 
 def _stop_all() -> None:
@@ -275,20 +404,28 @@ def _stop_all() -> None:
     _clusters.clear()
 
 
-def cluster_for(block_bytes: int) -> DirectiveCluster:
-    """The running cluster for ``block_bytes`` (started on first use; stopped at exit)."""
-    cluster = _clusters.get(block_bytes)
+def cluster_for(block_bytes: int, *, filed: bool = False) -> DirectiveCluster:
+    """The running cluster for ``block_bytes``, of this checkout or (``filed``) of
+    :data:`FILED_COMMIT` (started on first use; stopped at exit).
+
+    Raises:
+        RuntimeError: the filed code is not at hand (:func:`filed_tree`).
+    """
+    cluster = _clusters.get((block_bytes, filed))
     if cluster is None:
         folder = Path(tempfile.mkdtemp(prefix=f"kvsp-directive-{block_bytes}-"))
-        cluster = DirectiveCluster(block_bytes, folder)
+        if filed:
+            cluster = FiledCluster(block_bytes, folder, filed_tree())
+        else:
+            cluster = DirectiveCluster(block_bytes, folder)
         if not _clusters:
             atexit.register(_stop_all)
-        _clusters[block_bytes] = cluster
+        _clusters[block_bytes, filed] = cluster
         try:
             cluster.start()
         except BaseException:
             cluster.stop()
-            del _clusters[block_bytes]
+            del _clusters[block_bytes, filed]
             raise
     return cluster
 
@@ -302,42 +439,55 @@ async def measure_directive(
     variant: str | None = None,
 ) -> float:
     """Blocks per second of one directive for ``blocks`` new blocks of ``block_bytes``, from
-    the POST to the state ``complete``, at ``variant``'s target (:data:`VARIANTS`; by default
-    ``after`` with ``pipeline`` and ``before`` without), from the source instance over HTTP
-    (``transport="http"``) or from the relay over MOQT (``"moqt"``).
+    the POST to the state ``complete``, at ``variant``'s target (:data:`VARIANTS`, or
+    :data:`FILED`; by default ``after`` with ``pipeline`` and ``before`` without), from the
+    source instance over HTTP (``transport="http"``) or from the relay over MOQT (``"moqt"``).
 
     Raises:
         ValueError: an unknown transport or variant, or a block size :func:`descriptor_for`
             cannot make.
-        RuntimeError: a process did not start, or the directive did not complete.
+        RuntimeError: a process did not start, the directive did not complete, or (``filed``)
+            this clone lacks :data:`FILED_COMMIT`.
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     variant = variant or ("after" if pipeline else "before")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
-    cluster = await asyncio.to_thread(cluster_for, block_bytes)
+    if variant not in VARIANTS and variant != FILED:
+        raise ValueError(f"variant must be one of {(*VARIANTS, FILED)}, got {variant!r}")
+    cluster = await asyncio.to_thread(cluster_for, block_bytes, filed=variant == FILED)
     keys = await cluster.store_blocks(blocks)
     seconds = await cluster.run_directive(keys, variant=variant, transport=transport)
     return blocks / seconds
 
 
-async def _table(sizes: list[tuple[int, int]], reps: int) -> list[list[str]]:
+async def _table(sizes: list[tuple[int, int]], reps: int) -> tuple[list[list[str]], list[str]]:
+    """The rows (median rate of each variant, and its ratio to ``before`` and ``filed``) and
+    a note for each variant that could not run."""
     rows = []
+    notes: list[str] = []
     for block_bytes, blocks in sizes:
         for transport in TRANSPORTS:
             variants = ("before", "after") if transport == "http" else tuple(VARIANTS)[::-1]
+            variants += (FILED,)
             rates: dict[str, list[float]] = {v: [] for v in variants}
             for _ in range(reps):
                 for variant in variants:
-                    rate = await measure_directive(
-                        block_bytes, blocks, transport=transport, variant=variant
-                    )
+                    if variant == FILED and FILED in _filed_failures:
+                        continue
+                    try:
+                        rate = await measure_directive(
+                            block_bytes, blocks, transport=transport, variant=variant
+                        )
+                    except RuntimeError as exc:
+                        if variant != FILED:
+                            raise
+                        _filed_failures[FILED] = str(exc)
+                        notes.append(f"{FILED}: not run: {exc}")
+                        continue
                     rates[variant].append(rate)
-            before = statistics.median(rates["before"])
+            medians = {v: statistics.median(r) for v, r in rates.items() if r}
             mb = block_bytes / 1e6
-            for variant in variants:
-                rate = statistics.median(rates[variant])
+            for variant, rate in medians.items():
                 rows.append(
                     [
                         f"{block_bytes // 1024} KiB",
@@ -346,10 +496,14 @@ async def _table(sizes: list[tuple[int, int]], reps: int) -> list[list[str]]:
                         variant,
                         f"{rate:.0f}",
                         f"{rate * mb:.1f}",
-                        f"{rate / before:.1f}",
+                        f"{rate / medians['before']:.1f}",
+                        f"{rate / medians[FILED]:.1f}" if FILED in medians else "-",
                     ]
                 )
-    return rows
+    return rows, notes
+
+
+_filed_failures: dict[str, str] = {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,13 +516,15 @@ def main(argv: list[str] | None = None) -> int:
     reps = 1 if args.quick else args.reps
     sizes = [(64 * 1024, args.blocks), (2 << 20, 16 if args.quick else args.blocks)]
     try:
-        rows = asyncio.run(_table(sizes, reps))
+        rows, notes = asyncio.run(_table(sizes, reps))
     finally:
         _stop_all()
-    head = ["block", "blocks", "transport", "variant", "blocks/s", "MB/s", "x before"]
+    head = ["block", "blocks", "transport", "variant", "blocks/s", "MB/s", "x before", "x filed"]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+    for note in notes:
+        print(note)
     return 0
 
 

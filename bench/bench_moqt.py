@@ -24,8 +24,10 @@ V octets delivered (MB/s = 1e6 octets a second):
   publisher directly (the ``relay-miss/direct`` denominator), FETCH from the relay's cache,
   and a live track fanned out to 8 subscribers (MB/s per subscriber);
 * the directive path (§6.5): 64 blocks of 64 KiB prefetched end to end by an instance from the
-  relay over MOQT (and from the source over HTTP on a full run), with the per-block pipeline
-  and without it ("before"), from ``bench/bench_directive.py``;
+  relay over MOQT (and from the source over HTTP on a full run), from
+  ``bench/bench_directive.py``: with the per-block pipeline ("now"), today's code with the old
+  options ("before" there), and the code issue #20 measured (its ``filed`` variant, run from
+  this clone's git history), which the directive ratio divides by;
 * two peers where they run: Redis GET + SHA-256 (``redis-server`` started on an ephemeral
   port) and Mooncake Store ``get_into`` + SHA-256 over its TCP transport
   (``mooncake-transfer-engine`` in its own virtual environment, installed on a full run or
@@ -1206,37 +1208,49 @@ DIRECTIVE_REPS = 5
 """Directives of each variant, alternating (one directive is about 0.1 s: one is noise)."""
 
 
+DIRECTIVE_VARIANTS = (
+    ("after", "", "now"),
+    ("before", "-options", "today's code with the old options"),
+    ("filed", "-before", "the code issue #20 measured, {commit}"),
+)
+"""(``bench_directive`` variant, row key suffix, label): the pipeline as it is now; the path
+rebuilt from options on today's code; and the code of ``bench_directive.FILED_COMMIT``, the
+directive path as issue #20 measured it, which the ratio divides by."""
+
+
 async def measure_directive_rows(table: Table, transports: tuple[str, ...]) -> None:
-    """Blocks a second of a ``kvsp demo``-sized directive, with the pipeline and without: the
-    two alternate, :data:`DIRECTIVE_REPS` each, and each row is the median of its own."""
-    from bench.bench_directive import measure_directive
+    """Blocks a second of a ``kvsp demo``-sized directive, for each of
+    :data:`DIRECTIVE_VARIANTS`: they alternate, :data:`DIRECTIVE_REPS` each, and each row is
+    the median of its own. A variant that cannot run (the filed code needs this clone's git
+    history) keeps its row, with the reason."""
+    from bench.bench_directive import FILED_COMMIT, measure_directive
 
     shape = SHAPES[1]
-    variants = ((True, "", "now"), (False, "-before", "before"))
     for transport in transports:
-        rates: dict[bool, list[float]] = {True: [], False: []}
-        failed: dict[bool, str] = {}
+        rates: dict[str, list[float]] = {v: [] for v, _, _ in DIRECTIVE_VARIANTS}
+        failed: dict[str, str] = {}
         for _ in range(DIRECTIVE_REPS):
-            for pipeline, _, _ in variants:
-                if pipeline in failed:
+            for variant, _, _ in DIRECTIVE_VARIANTS:
+                if variant in failed:
                     continue
                 try:
                     rate = await measure_directive(
-                        DIRECTIVE_BYTES, DIRECTIVE_BLOCKS, pipeline=pipeline, transport=transport
+                        DIRECTIVE_BYTES, DIRECTIVE_BLOCKS, transport=transport, variant=variant
                     )
                 except Exception as exc:  # noqa: BLE001 - a path that cannot run is a result
-                    failed[pipeline] = failure(shape.name, exc)
+                    failed[variant] = failure(shape.name, exc)
                 else:
-                    rates[pipeline].append(rate)
-        for pipeline, suffix, when in variants:
+                    rates[variant].append(rate)
+        for variant, suffix, when in DIRECTIVE_VARIANTS:
             key = f"directive-{transport}{suffix}"
+            when = when.format(commit=FILED_COMMIT[:7])
             row = table.row(
                 key, f"directive path, {transport.upper()}, {DIRECTIVE_BLOCKS} blocks ({when})"
             )
-            if pipeline in failed:
-                row.notes.append(failed[pipeline])
-            if rates[pipeline]:
-                rate = statistics.median(rates[pipeline])
+            if variant in failed:
+                row.notes.append(failed[variant])
+            if rates[variant]:
+                rate = statistics.median(rates[variant])
                 row.per_second[shape.name] = rate
                 row.rates[shape.name] = rate * DIRECTIVE_BYTES / 1e6
 
@@ -1433,11 +1447,20 @@ RATIOS = (
 """(name, numerator row, denominator row, target): 2 MiB blocks but for the directive rows."""
 
 
+FALLBACKS = {"directive-moqt-before": "directive-moqt-options"}
+"""A denominator row that could not run, and the row measured in its place (said in the
+table): the filed code needs this clone's git history."""
+
+
 def ratios(table: Table) -> list[tuple[str, float | None, float]]:
     out = []
     for name, top, bottom, target in RATIOS:
         shape = "64 KiB" if top.startswith("directive") else "2 MiB"
         a, b = table.rate(top, shape), table.rate(bottom, shape)
+        if not b and bottom in FALLBACKS:
+            b = table.rate(FALLBACKS[bottom], shape)
+            if b and bottom in table.rows:
+                table.rows[bottom].notes.append(f"the ratio divides by {FALLBACKS[bottom]}")
         out.append((name, a / b if a and b else None, target))
     return out
 
@@ -1465,6 +1488,11 @@ def print_table(table: Table, found: list[tuple[str, float | None, float]]) -> N
         shown = f"{value:8.2f}" if value is not None else f"{'-':>8}"
         met = "yes" if value is not None and value >= target else "NO"
         print(f"{name:44} {shown} {'>= ' + format(target, 'g'):>8}  {met}")
+    now = table.rate("directive-moqt", "64 KiB")
+    options = table.rate("directive-moqt-options", "64 KiB")
+    if now and options:
+        name = "directive-64k/directive-64k-options"
+        print(f"{name:44} {now / options:8.2f} {'-':>8}  (today's code with the old options)")
 
 
 def measure_relay_rows(

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvsp import __version__
 from kvsp.errors import KVSPError
+from moqt.errors import ListenError
 
 EXIT_INPUT = 1
 
@@ -492,7 +493,7 @@ def _run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         status: int = args.handler(args)
-    except (KVSPError, CLIError) as exc:
+    except (KVSPError, CLIError, ListenError) as exc:
         print(f"kvsp: error: {exc}", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 from .backend import TransportConfig, backend_of, get_backend
-from .errors import SessionError
+from .errors import SessionError, listening
 from .messages import (
     AuthToken,
     FetchOk,
@@ -671,7 +671,11 @@ async def serve(
     """Listen on ``host:port`` (port 0 picks one); call ``handler(connection)`` after each
     client's setup (``backend`` None: the one ``configuration`` belongs to,
     :func:`moqt.backend.backend_of`). A handler that raises closes its session with
-    INTERNAL_ERROR."""
+    INTERNAL_ERROR.
+
+    Raises:
+        ListenError: the UDP socket cannot bind (e.g. the port is in use); it says where.
+    """
     quic_backend = get_backend(backend_of(configuration) if backend is None else backend)
     setup = ProtocolSetup(
         False, session_config or SessionConfig(), transport or TransportConfig(), MOQTConnection
@@ -689,9 +693,14 @@ async def serve(
         return protocol
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    tune_socket(sock, setup.transport.socket_buffer)
-    sock.bind((host, port))
+    with listening("MOQT over QUIC", (host, port)):
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            tune_socket(sock, setup.transport.socket_buffer)
+            sock.bind((host, port))
+        except BaseException:
+            sock.close()
+            raise
     endpoint, quic_server = await open_datagram_endpoint(
         quic_backend,
         lambda: server_class(configuration=configuration, create_protocol=create_protocol),

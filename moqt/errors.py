@@ -4,11 +4,15 @@ Like aioquic's H3 layer, each exception class stores the wire code it closes wit
 turns a :class:`ProtocolViolation` into CONNECTION_CLOSE with ``exc.error_code``; a
 :class:`MalformedTrack` ends one track (PUBLISH_DONE / REQUEST_ERROR / RESET_STREAM with code
 0x12), not the session. :class:`NeedMoreData` is an internal signal of the incremental parsers
-and never reaches a caller of the public decoders.
+and never reaches a caller of the public decoders. :class:`ListenError` is no wire error: a
+listener (QUIC, QMux, HTTP) that could not bind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from enum import IntEnum
 from typing import ClassVar
 
@@ -132,3 +136,33 @@ class MalformedTrack(MOQTError):
     """
 
     default_code: ClassVar[int] = StreamResetCode.MALFORMED_TRACK
+
+
+class ListenError(OSError):
+    """A listener that could not start: what it serves, where, and the system's reason (an
+    address in use, a missing folder, a socket path too long). Not a wire error: it lives here
+    because every package that listens (``moqt``, ``relay``, ``kvsp.web``) imports this one,
+    and their command lines report it as one line, not a traceback."""
+
+    def __init__(self, what: str, where: str, reason: str) -> None:
+        self.what = what
+        self.where = where
+        self.reason = reason
+        super().__init__(f"cannot listen for {what} on {where}: {reason}")
+
+
+@contextlib.contextmanager
+def listening(what: str, where: str | tuple[str, int]) -> Iterator[None]:
+    """Turn an :class:`OSError` raised inside into a :class:`ListenError` for ``what`` on
+    ``where`` (a socket path, or ``(host, port)``, written ``host:port`` or ``[v6]:port``); the
+    reason is the system's text for its errno where it has one."""
+    if isinstance(where, tuple):
+        host, port = where
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        yield
+    except ListenError:
+        raise
+    except OSError as exc:
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        raise ListenError(what, where, reason) from exc

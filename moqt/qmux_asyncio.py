@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from .asyncio import Handler, MOQTConnection, client_session_config, run_handler
 from .backend import DEFAULT_SOCKET_BUFFER
-from .errors import SessionError
+from .errors import SessionError, listening
 from .qmux import (
     ALPN_MOQT_16_QMUX,
     APP_PROTOCOL_MOQT_16,
@@ -655,7 +655,8 @@ async def serve_qmux(
     Raises:
         ValueError: plain TCP on a non-loopback address without ``trusted_network``, or tls
             without a context.
-        OSError: the address is in use.
+        ListenError: the listener cannot bind (an address in use, a socket path whose folder
+            is missing or that another file or a live server holds); it says which.
     """
     loop = asyncio.get_running_loop()
     holder: list[QMuxServer] = []
@@ -701,28 +702,35 @@ async def serve_qmux(
     server: asyncio.Server
     host, port = str(endpoint.host), int(endpoint.port or 0)
     if endpoint.carrier == "unix":
-        sock = _bind_unix(str(endpoint.path), unix_mode)
+        with listening("MOQT over QMux (Unix socket)", str(endpoint.path)):
+            sock = _bind_unix(str(endpoint.path), unix_mode)
         server = await loop.create_unix_server(factory, sock=sock)
     elif endpoint.carrier == "tcp":
         require_loopback(host, trusted_network)
-        server = await loop.create_server(factory, host, port)
+        with listening("MOQT over QMux (TCP)", (host, port)):
+            server = await loop.create_server(factory, host, port)
     else:
         if ssl_context is None:
             raise ValueError("a tls endpoint needs ssl_context (server_ssl_context())")
         engine = tls_engine or DEFAULT_TLS_ENGINE
-        if engine != "asyncio":
-            server = await serve_tls(
-                tls_protocol,
-                host,
-                port,
-                context=ssl_context,
-                accepted=bind,
-                threaded=engine == "thread",
-            )
-        else:
-            server = await loop.create_server(
-                after_handshake, host, port, ssl=ssl_context, ssl_handshake_timeout=setup_timeout
-            )
+        with listening("MOQT over QMux (TLS)", (host, port)):
+            if engine != "asyncio":
+                server = await serve_tls(
+                    tls_protocol,
+                    host,
+                    port,
+                    context=ssl_context,
+                    accepted=bind,
+                    threaded=engine == "thread",
+                )
+            else:
+                server = await loop.create_server(
+                    after_handshake,
+                    host,
+                    port,
+                    ssl=ssl_context,
+                    ssl_handshake_timeout=setup_timeout,
+                )
     holder.append(QMuxServer(server, endpoint))
     return holder[0]
 
@@ -764,7 +772,7 @@ def _remove_stale_socket(path: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(mode):
-        raise FileExistsError(f"{path} exists and is not a socket")
+        raise FileExistsError("a file that is not a socket is there")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -773,4 +781,4 @@ def _remove_stale_socket(path: str) -> None:
         return
     finally:
         probe.close()
-    raise OSError(f"{path}: a server is already listening there")
+    raise OSError("a server is already listening there")

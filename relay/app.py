@@ -94,6 +94,7 @@ from moqt.backend import (
     transport_banner,
 )
 from moqt.certs import make_self_signed
+from moqt.errors import ListenError
 
 from .holder import DEFAULT_RECORD_TTL_MS, HolderConfig, RelayHolder
 from .relay import Relay, RelayConfig
@@ -284,7 +285,7 @@ def relay_config(args: argparse.Namespace, trust: Trust | None = None) -> RelayC
     Raises:
         BadRequest: inconsistent or malformed options.
     """
-    host, port = parse_listen(args.listen)
+    host, port = parse_listen(args.listen, "--listen")
     cert, key = _certificates(args)
     if args.public_url is not None and not args.public_url.startswith("moqt://"):
         raise BadRequest("--public-url must be a moqt:// URI")
@@ -292,10 +293,10 @@ def relay_config(args: argparse.Namespace, trust: Trust | None = None) -> RelayC
     if args.qmux_listen == "off":
         qmux_tls = None
     elif args.qmux_listen:
-        qmux_tls = parse_listen(args.qmux_listen)
+        qmux_tls = parse_listen(args.qmux_listen, "--qmux-listen")
     qmux_tcp = None
     if args.qmux_tcp_listen is not None:
-        qmux_tcp = parse_listen(args.qmux_tcp_listen)
+        qmux_tcp = parse_listen(args.qmux_tcp_listen, "--qmux-tcp-listen")
         if not args.trusted_network and not is_loopback(qmux_tcp[0]):
             raise BadRequest(
                 f"--qmux-tcp-listen {args.qmux_tcp_listen}: plain TCP carries tokens and KV in "
@@ -343,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         site=labels.site,
         zone=labels.zone,
     )
-    http_host, http_port = parse_listen(args.holder_listen)
+    http_host, http_port = parse_listen(args.holder_listen, "--holder-listen")
     try:
         asyncio.run(_serve(args, config, holder_config, token, (http_host, http_port), trust))
     except IndexRefused as exc:
@@ -490,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except KVSPError as exc:
+    except (KVSPError, ListenError) as exc:
         print(f"relay: error: {exc}", file=sys.stderr)
         return 2
 

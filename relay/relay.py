@@ -177,7 +177,18 @@ class Relay(Announcements):
         return [self.url, *self.carriers, holder.holder_url, holder.lease_base, *holder.carriers]
 
     async def start(self) -> str:
-        """Listen; returns the relay's ``moqt://host:port/`` URL."""
+        """Listen; returns the relay's ``moqt://host:port/`` URL.
+
+        Raises:
+            ListenError: a listener cannot bind; the ones already open are closed again.
+        """
+        try:
+            return await self._listen()
+        except BaseException:
+            self._close_listeners()
+            raise
+
+    async def _listen(self) -> str:
         cfg = self.config
         backend = get_backend(cfg.backend)
         transport = TransportConfig(max_datagram_size=cfg.datagram_size)
@@ -244,12 +255,15 @@ class Relay(Announcements):
             uris.append(f"moqt+tls://{shown}:{server.address[1]}/")
         return tuple(uris)
 
-    async def close(self) -> None:
-        """Stop serving: close every session and withdraw every record."""
+    def _close_listeners(self) -> None:
         if self._server is not None:
             self._server.close()
         for server in self._qmux_servers:
             server.close()
+
+    async def close(self) -> None:
+        """Stop serving: close every session and withdraw every record."""
+        self._close_listeners()
         for track in list(self.tracks.values()):
             track.close()
         if self._upstream is not None:

@@ -97,16 +97,16 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     )
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[::1]:PORT`` for IPv6).
+def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[::1]:PORT`` for IPv6), the value of ``flag``.
 
     Raises:
-        BadRequest: not of that form or the port is out of range.
+        BadRequest: not of that form or the port is out of range (naming ``flag``).
     """
     host, sep, port_text = text.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
-        raise BadRequest(f"--listen: expected HOST:PORT, got {text!r}")
+        raise BadRequest(f"{flag}: expected HOST:PORT, got {text!r}")
     return host, int(port_text)
 
 

@@ -52,6 +52,8 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.flow_control import FlowControl
 
+from moqt.errors import listening
+
 _log = logging.getLogger("kvsp.web.runner")
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -90,19 +92,24 @@ class ServeConfig:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket bound to ``(host, port)``; port 0 picks an ephemeral port."""
+    """A listening TCP socket bound to ``(host, port)``; port 0 picks an ephemeral port.
+
+    Raises:
+        ListenError: it cannot bind (e.g. the port is in use, the host is not this one's).
+    """
     family = socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET
-    # IPPROTO_TCP named, not 0: asyncio's own loop disables Nagle (TCP_NODELAY) only on
-    # accepted sockets whose proto says TCP. Without it a keep-alive answer written as head
-    # then body waits ~40 ms for the client's delayed ACK (uvloop sets it either way).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except BaseException:
-        sock.close()
-        raise
+    with listening("HTTP", (host, port)):
+        # IPPROTO_TCP named, not 0: asyncio's own loop disables Nagle (TCP_NODELAY) only on
+        # accepted sockets whose proto says TCP. Without it a keep-alive answer written as
+        # head then body waits ~40 ms for the client's delayed ACK (uvloop sets it either way).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(2048)
+        except BaseException:
+            sock.close()
+            raise
     return sock
 
 

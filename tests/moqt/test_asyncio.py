@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from moqt.asyncio import (
 )
 from moqt.backend import available_backends, get_backend, initial_padded_outside_packets
 from moqt.certs import make_self_signed
-from moqt.errors import PublishDoneCode, RequestErrorCode
+from moqt.errors import ListenError, PublishDoneCode, RequestErrorCode, listening
 from moqt.messages import StandaloneFetch
 from moqt.session_events import (
     DataStreamFinished,
@@ -153,6 +155,42 @@ def run_client(
             server.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_quic_listener_on_a_port_in_use_says_where(
+    backend: str, cert_pair: tuple[Path, Path]
+) -> None:
+    busy = socket.socket(type=socket.SOCK_DGRAM)
+    busy.bind(("127.0.0.1", 0))
+    port = busy.getsockname()[1]
+    cert, key = cert_pair
+    config = get_backend(backend).configuration(
+        is_client=False, certificate=str(cert), private_key=str(key)
+    )
+
+    async def main() -> None:
+        with pytest.raises(ListenError) as caught:
+            await serve("127.0.0.1", port, configuration=config, handler=publisher, backend=backend)
+        assert str(caught.value) == (
+            f"cannot listen for MOQT over QUIC on 127.0.0.1:{port}: address already in use"
+        )
+
+    try:
+        asyncio.run(main())
+    finally:
+        busy.close()
+
+
+def test_a_listen_error_writes_v6_hosts_in_brackets_and_keeps_its_own_reason() -> None:
+    with pytest.raises(ListenError) as caught, listening("HTTP", ("::1", 8080)):
+        raise OSError(errno.EACCES, "Permission denied")
+    assert str(caught.value) == "cannot listen for HTTP on [::1]:8080: permission denied"
+    assert isinstance(caught.value, OSError)
+    inner = ListenError("MOQT over QUIC", "127.0.0.1:1", "address already in use")
+    with pytest.raises(ListenError) as again, listening("HTTP", "elsewhere"):
+        raise inner
+    assert again.value is inner
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import mmap
 import os
+import socket
 import ssl
 import stat
 import weakref
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 
 from moqt.asyncio import MOQTConnection, SessionClosedError
 from moqt.certs import make_self_signed
-from moqt.errors import PublishDoneCode, RequestErrorCode, SessionError
+from moqt.errors import ListenError, PublishDoneCode, RequestErrorCode, SessionError
 from moqt.messages import StandaloneFetch
 from moqt.qmux import QMuxConfig
 from moqt.qmux_asyncio import (
@@ -385,8 +386,10 @@ def test_unix_socket_file_is_owner_only_by_default(
         path = tmp_path / "a.sock"
         server = await serve_qmux(QMuxEndpoint("unix", path=str(path)), handler=publisher)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and server.address == str(path)
-        with pytest.raises(OSError, match="already listening"):
+        with pytest.raises(ListenError) as caught:
             await serve_qmux(QMuxEndpoint("unix", path=str(path)), handler=publisher)
+        assert caught.value.where == str(path)
+        assert caught.value.reason == "a server is already listening there"
         server.close()
         await server.wait_closed()
         assert not path.exists()
@@ -398,6 +401,51 @@ def test_unix_socket_file_is_owner_only_by_default(
         await group.wait_closed()
 
     asyncio.run(main())
+
+
+def test_a_listener_that_cannot_bind_says_which_and_where(
+    certs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A port in use, a socket path in a missing folder, one that another file holds (left as
+    it was) or one too long for AF_UNIX: a ListenError naming the carrier and the address,
+    which the command lines print as one line, not an OSError from deep in asyncio."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    missing = str(tmp_path / "missing" / "q.sock")
+    long = str(tmp_path / ("q" * 110))
+    unix = "MOQT over QMux (Unix socket)"
+    at, in_use = f"127.0.0.1:{port}", "address already in use"
+    not_socket = "a file that is not a socket is there"
+    cases = [
+        (QMuxEndpoint("tcp", "127.0.0.1", port), "MOQT over QMux (TCP)", at, in_use),
+        (QMuxEndpoint("tls", "127.0.0.1", port), "MOQT over QMux (TLS)", at, in_use),
+        (QMuxEndpoint("unix", path=missing), unix, missing, "no such file or directory"),
+        (QMuxEndpoint("unix", path=str(notes)), unix, str(notes), not_socket),
+        (QMuxEndpoint("unix", path=long), unix, long, "AF_UNIX path too long"),
+    ]
+    context = server_ssl_context(str(certs[0]), str(certs[1]))
+
+    async def main() -> None:
+        for endpoint, what, where, reason in cases:
+            with pytest.raises(ListenError) as caught:
+                await serve_qmux(endpoint, handler=publisher, ssl_context=context)
+            assert (caught.value.what, caught.value.where, caught.value.reason) == (
+                what,
+                where,
+                reason,
+            )
+            assert str(caught.value) == f"cannot listen for {what} on {where}: {reason}"
+
+    try:
+        asyncio.run(main())
+    finally:
+        busy.close()
+    assert notes.read_text() == "keep me"
+    assert not os.path.exists(long)
 
 
 def test_endpoint_needs_its_address_parts() -> None:

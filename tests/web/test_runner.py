@@ -14,6 +14,7 @@ import pytest
 
 from kvsp.web.runner import base_url, bind_socket, write_ready_file
 from kvsp.web.testing import RunningService, ServiceStartError, start_process
+from moqt.errors import ListenError
 from tests.support import SUPPORT
 
 PROBLEM = "application/problem+json"
@@ -139,6 +140,15 @@ def test_base_url_forms() -> None:
     assert base_url("::", 82) == "http://[::1]:82/"
     assert base_url("::1", 83, tls=True) == "https://[::1]:83/"
     assert base_url("localhost", 84) == "http://localhost:84/"
+
+
+def test_bind_socket_on_a_port_in_use_says_where() -> None:
+    with bind_socket("127.0.0.1", 0) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(ListenError) as caught:
+            bind_socket("127.0.0.1", port)
+    reason = "address already in use"
+    assert str(caught.value) == f"cannot listen for HTTP on 127.0.0.1:{port}: {reason}"
 
 
 def test_bind_socket_picks_a_port_and_writes_ready_atomically(tmp_path: Path) -> None:

@@ -72,6 +72,7 @@ from kvsp.web.auth import Principals
 from kvsp.web.cliargs import (
     add_common_arguments,
     add_deprecated_aliases,
+    check_tls_pair,
     load_principals,
     parse_listen,
     positive_int,
@@ -222,11 +223,11 @@ def _read_secret(path: Path, option: str) -> str:
 
 
 def _certificates(args: argparse.Namespace) -> tuple[Path, Path]:
-    """``--cert``/``--key``, or the self-signed pair in the state folder."""
-    if (args.cert is None) != (args.key is None):
-        raise BadRequest("--cert and --key go together")
-    if args.cert is not None:
-        return Path(args.cert), Path(args.key)
+    """``--cert``/``--key`` (checked: :func:`~kvsp.web.cliargs.check_tls_pair`), or the
+    self-signed pair in the state folder."""
+    given = check_tls_pair(args)
+    if given is not None:
+        return given
     folder = Path(args.state) / TLS_FOLDER
     cert, key = folder / "cert.pem", folder / "key.pem"
     if cert.exists() and key.exists():

@@ -16,12 +16,17 @@ import logging
 import math
 import re
 import signal
+import ssl
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 
 from kvsp.errors import BadRequest
 from kvsp.lifecycle import DEFAULT_MAX_EPOCH_SKEW_MS
@@ -181,8 +186,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     host can reach.
 
     Raises:
-        BadRequest: bad ``--listen``, a wildcard one without ``--public-url``, or only one of
-            ``--cert``/``--key``.
+        BadRequest: bad ``--listen``, a wildcard one without ``--public-url``, or a bad
+            ``--cert``/``--key`` pair (:func:`check_tls_pair`).
     """
     host, port = parse_listen(args.listen)
     if is_wildcard(host) and hasattr(args, "public_url") and args.public_url is None:
@@ -190,8 +195,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             f"--listen {args.listen} is a wildcard address: other hosts cannot reach this "
             "service by it; give --public-url with the URL they use"
         )
-    if (args.cert is None) != (args.key is None):
-        raise BadRequest("--cert and --key go together")
+    check_tls_pair(args)
     return ServeConfig(
         host=host,
         port=port,
@@ -201,6 +205,43 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         log_level=args.log_level,
         timeouts=read_timeouts(args),
     )
+
+
+def check_tls_pair(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """``--cert`` and ``--key`` (None when neither is given), checked as a TLS server will
+    load them, so that a wrong file stops the start with one line, not a traceback from the
+    first handshake's setup.
+
+    Raises:
+        BadRequest: only one of them, a file that cannot be read, a certificate or key that is
+            not PEM (or a key with a passphrase), or a key that is not the certificate's.
+    """
+    if (args.cert is None) != (args.key is None):
+        raise BadRequest("--cert and --key go together")
+    if args.cert is None:
+        return None
+    cert, key = Path(args.cert), Path(args.key)
+    texts = {}
+    for flag, path in (("--cert", cert), ("--key", key)):
+        try:
+            texts[flag] = path.read_bytes()
+        except OSError as exc:
+            raise BadRequest(f"{flag} {path}: {exc.strerror or exc}") from None
+    try:
+        x509.load_pem_x509_certificate(texts["--cert"])
+    except ValueError:
+        raise BadRequest(f"--cert {cert}: not a PEM certificate") from None
+    try:
+        serialization.load_pem_private_key(texts["--key"], password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise BadRequest(f"--key {key}: not a PEM private key without a passphrase") from None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise BadRequest(f"--key {key} is not the private key of --cert {cert}") from None
+        raise BadRequest(f"--cert {cert} with --key {key}: {exc.reason or exc}") from None
+    return cert, key
 
 
 def read_timeouts(args: argparse.Namespace) -> ReadTimeouts:

@@ -111,7 +111,9 @@ def parse_moqt_uri(uri: str) -> MoqtAddress:
         port = -1
     carrier = CARRIERS.get(parts.scheme.lower())
     if carrier is None or not parts.hostname or port == -1:
-        raise UnsupportedHolder(f"holder {uri[:120]!r} is not a moqt URI")
+        raise UnsupportedHolder(
+            f"{uri[:120]!r} is not a moqt, moqt+tls, moqt+tcp or moqt+unix URI with a host"
+        )
     if carrier == "unix":
         if port is not None or not parts.path.startswith("/") or parts.query:
             raise UnsupportedHolder(f"{uri[:120]!r}: moqt+unix://HOST/absolute/socket/path")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsp.audience import AudienceSigner
-from kvsp.errors import KVSPError
+from kvsp.errors import BadRequest, KVSPError, UnsupportedHolder
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.index import ReplicaIndex
 from kvsp.moqt_mapping import KV_GROUP, kv_scope_prefix
@@ -390,6 +390,30 @@ def relay_transport(args: argparse.Namespace) -> TransportConfig | None:
     return None if size is None else TransportConfig(max_datagram_size=size)
 
 
+def carrier_policy(args: argparse.Namespace) -> CarrierPolicy:
+    """The :class:`CarrierPolicy` of ``--moqt-carriers`` and ``--trusted-network``."""
+    return CarrierPolicy(
+        qmux=getattr(args, "moqt_carriers", "on") != "off",
+        trusted_network=bool(getattr(args, "trusted_network", False)),
+    )
+
+
+def check_relay_argument(args: argparse.Namespace) -> None:
+    """Check ``--relay`` before a process starts anything: a MOQT URI that the carrier
+    options let it dial.
+
+    Raises:
+        BadRequest: it is not, naming ``--relay``.
+    """
+    relay = getattr(args, "relay", None)
+    if relay is None:
+        return
+    try:
+        check_allowed(parse_moqt_uri(relay), carrier_policy(args))
+    except UnsupportedHolder as exc:
+        raise BadRequest(f"--relay: {exc.detail}") from None
+
+
 class RelayAttachment:
     """What ``--relay``, the process's ``trust`` and the ``--moqt-*`` options add to a process
     with a
@@ -408,10 +432,7 @@ class RelayAttachment:
         relay = getattr(args, "relay", None)
         self.token = token
         self.trust = trust_from_args(args) if trust is None else trust
-        self.policy = CarrierPolicy(
-            qmux=getattr(args, "moqt_carriers", "on") != "off",
-            trusted_network=bool(getattr(args, "trusted_network", False)),
-        )
+        self.policy = carrier_policy(args)
         self.backend: str | None = getattr(args, "moqt_backend", None)
         self.transport = relay_transport(args)
         self.link: RelayLink | None = None

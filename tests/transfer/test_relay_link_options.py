@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kvsp.errors import UnsupportedHolder
+from kvsp.errors import BadRequest, UnsupportedHolder
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.moqt_mapping import encode_moqt_namespace, kv_namespace
 from kvsp.records import ReplicaRecord
-from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments
+from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments, check_relay_argument
 from relay.app import configure_parser as relay_parser
 
 HOLDER = "moqt://127.0.0.1:4443/"
@@ -106,3 +106,53 @@ def _record(carrier: str) -> ReplicaRecord:
             "moqt_carriers": [carrier],
         }
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "detail"),
+    [
+        (
+            ["--relay", "moqt+foo://x/"],
+            "--relay: 'moqt+foo://x/' is not a moqt, moqt+tls, moqt+tcp or moqt+unix URI "
+            "with a host",
+        ),
+        (
+            ["--relay", "moqt+tls://relay.example/"],
+            "--relay: 'moqt+tls://relay.example/' names no port",
+        ),
+        (
+            ["--relay", "moqt+unix://localhost/r.sock", "--moqt-carriers", "off"],
+            "--relay: unix:/r.sock: QMux carriers are turned off",
+        ),
+        (
+            ["--relay", "moqt+tcp://192.0.2.1:4445/"],
+            "--relay: tcp:192.0.2.1:4445: plain TCP beyond loopback needs a trusted network "
+            "(--trusted-network)",
+        ),
+    ],
+)
+def test_a_relay_the_process_may_not_dial_is_refused_before_it_starts(
+    argv: list[str], detail: str
+) -> None:
+    with pytest.raises(BadRequest) as caught:
+        check_relay_argument(parser().parse_args(argv))
+    assert caught.value.detail == detail
+    good = ["--relay", "moqt+tcp://192.0.2.1:4445/", "--trusted-network"]
+    check_relay_argument(parser().parse_args(good))
+    check_relay_argument(parser().parse_args([]))
+
+
+def test_an_instance_with_a_bad_relay_stops_before_registering(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not after it has put its descriptor at the IS and started its engine."""
+    from kvsp.cli import main
+
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    argv = ["serve", "instance", "--state", str(tmp_path / "s"), "--listen", "127.0.0.1:0"]
+    argv += ["--pc", "http://127.0.0.1:9/", "--token-file", str(token), "--relay", "moqt+foo://x/"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "registering the descriptor" not in err
+    assert err.strip().splitlines()[-1].startswith("kvsp: error: --relay: 'moqt+foo://x/' is not")

@@ -88,7 +88,7 @@ from kvsp.services.instance.reshard import agent_reshard_routes
 from kvsp.services.instance.service import InstanceAgent, InstanceConfig, Session
 from kvsp.services.instance.sessions import InstanceSessions, LiveSession, SessionConfig
 from kvsp.stores.descriptors import DescriptorRegistry, read_descriptor_file
-from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments
+from kvsp.transfer.relay_link import RelayAttachment, add_relay_arguments, check_relay_argument
 from kvsp.web.auth import Principals, principal_of, require_scope
 from kvsp.web.cliargs import (
     add_deprecated_aliases,
@@ -633,11 +633,12 @@ def instance_config(args: argparse.Namespace) -> InstanceConfig:
     """The :class:`InstanceConfig` the options describe.
 
     Raises:
-        BadRequest: unreadable scope key files, a public URL without a trailing ``/``, or
-            ``--zone`` without ``--site``.
+        BadRequest: unreadable scope key files, a public URL without a trailing ``/``, a
+            ``--relay`` it may not dial, or ``--zone`` without ``--site``.
     """
     if args.public_url is not None and not args.public_url.endswith("/"):
         raise BadRequest("--public-url must end in '/'")
+    check_relay_argument(args)
     labels = site_labels(args)
     return InstanceConfig(
         public_url=args.public_url,

@@ -154,7 +154,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="MOQT over QMux over TLS 1.3 (TCP); default: the --listen host, a free port",
     )
     add("--qmux-tcp-listen", metavar="HOST:PORT", help="MOQT over QMux over plain TCP")
-    add("--qmux-unix", type=Path, metavar="PATH", help="MOQT over QMux over a Unix socket")
+    add("--qmux-unix", type=socket_path, metavar="PATH", help="MOQT over QMux over a Unix socket")
     add(
         "--trusted-network",
         action="store_true",
@@ -220,6 +220,18 @@ def _read_secret(path: Path, option: str) -> str:
     if not text:
         raise BadRequest(f"{option} {path} is empty")
     return text
+
+
+def socket_path(text: str) -> Path:
+    """A Unix socket path (an ``argparse`` type): not empty, which ``Path`` would read as the
+    current folder, and not a folder.
+
+    Raises:
+        argparse.ArgumentTypeError: an empty path, or one ending in ``/``.
+    """
+    if not text or text.endswith("/"):
+        raise argparse.ArgumentTypeError(f"expected the path of a socket file, got {text!r}")
+    return Path(text)
 
 
 def _certificates(args: argparse.Namespace) -> tuple[Path, Path]:

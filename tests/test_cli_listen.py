@@ -133,3 +133,17 @@ def test_a_relay_whose_qmux_listener_fails_closes_its_quic_socket(
     asyncio.run(start())
     with socket.socket(type=socket.SOCK_DGRAM) as again:
         again.bind(("127.0.0.1", quic_port))  # free again: the failed start let it go
+
+
+@pytest.mark.parametrize("path", ["", "/run/kvsp/"])
+def test_a_qmux_unix_path_that_names_no_file_is_an_argument_error(
+    path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty path would be read as the current folder (refused later, confusingly, as "a
+    file that is not a socket"); one ending in ``/`` names a folder."""
+    argv = ["serve", "relay", "--open", "--state", str(tmp_path / "s"), "--qmux-unix", path]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    expected = f"argument --qmux-unix: expected the path of a socket file, got {path!r}"
+    assert expected in capsys.readouterr().err

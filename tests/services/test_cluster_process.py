@@ -212,9 +212,13 @@ def test_a_delayed_record_with_a_lower_epoch_than_seen_is_refused(cluster: Any) 
     delayed = cluster.status("b")  # what b's old incarnation says, arriving late
     old_epoch = delayed["epoch"]
     cluster.restart_instance("b")
-    row = eventually(
+    row = eventually(  # b's row is gone between its old incarnation leaving and the new one
         lambda: (
-            (r := cluster.row("b"))["epoch"] > old_epoch and r["state"] == "active" and r or None
+            (r := cluster.row_if_any("b"))
+            and r["epoch"] > old_epoch
+            and r["state"] == "active"
+            and r
+            or None
         ),
         30,
         "b registered with a new epoch",

@@ -234,6 +234,11 @@ class Cluster:
         """The PC's row for instance ``name``."""
         return self.instances()[self.url(name)]
 
+    def row_if_any(self, name: str) -> dict[str, Any] | None:
+        """The PC's row for instance ``name``, None while it has none (an instance that left
+        ends its epoch, and its next incarnation has not registered yet)."""
+        return self.instances().get(self.url(name))
+
     def set_state(self, name: str, state: str) -> httpx.Response:
         """PUT instances/{id}/state at the PC (which forwards it to the instance)."""
         path = f"{self.control}instances/{uri_id(self.url(name))}/state"

@@ -315,6 +315,7 @@ class InstanceAgent:
         self._pipe_transfers = TransferBudget(config.pipeline_transfers, config.pipeline_octets)
         self._loads: dict[BlockRef, _KeyLoad] = {}
         self._stopped: dict[uuid.UUID, asyncio.Event] = {}  # directive id → set once it stops
+        self._loads_moved = asyncio.Event()  # replaced each time it is set (:meth:`_moved`)
         self._tallies: dict[uuid.UUID, DirectiveTally] = {}  # directive id → what it loaded
         self._tasks: set[asyncio.Task[object]] = set()
         self._status_task: asyncio.Task[None] | None = None
@@ -702,7 +703,7 @@ class InstanceAgent:
         found = self.engine.lookup(keys)
         for key in keys[len(found) :]:
             ref = BlockRef(self.compat, scope, key)
-            load = self._loads.get(ref)
+            load = await self._load_of(ref)
             if load is not None:  # a directive is loading it: worth the wait (§6.5 partial)
                 await asyncio.wait({load.task})
             stored = self.holder.store.get(ref)
@@ -710,6 +711,32 @@ class InstanceAgent:
                 break
             found.append(decode_container(self.holder.store.read(stored), self.geometry))
         return found
+
+    async def _load_of(self, ref: BlockRef) -> _KeyLoad | None:
+        """The load of ``ref`` under way, or the one a running directive is still to start
+        (while the IS answers its lookup, say); None once the block is held or no running
+        directive has it still to load."""
+        while (load := self._loads.get(ref)) is None and not self.holds(ref):
+            if not any(self._still_to_load(p, ref) for p in self.directives.pending()):
+                return None
+            await self._loads_moved.wait()
+        return load
+
+    def _still_to_load(self, progress: DirectiveProgress, ref: BlockRef) -> bool:
+        """Whether the running directive ``progress`` lists ``ref`` after its loaded prefix."""
+        d = progress.directive
+        if d.directive not in self._stopped or (d.compat_id, d.scope_id) != (ref.compat, ref.scope):
+            return False
+        try:
+            progress.keys.index(ref.key, progress.next_index)
+        except ValueError:
+            return False
+        return True
+
+    def _moved(self) -> None:
+        """Wake what waits for a load to start or a directive to move on (:meth:`_load_of`)."""
+        self._loads_moved.set()
+        self._loads_moved = asyncio.Event()
 
     def _keep_computed(self, scope: ScopeId, keys: Sequence[BlockKey], seq: EngineSequence) -> None:
         for block in seq.computed:
@@ -785,6 +812,7 @@ class InstanceAgent:
             if stopped is not None:
                 stopped.set()
             self._quieter.set()
+            self._moved()
 
     async def _directive(self, progress: DirectiveProgress) -> None:
         d = progress.directive
@@ -840,6 +868,7 @@ class InstanceAgent:
         else:
             progress.block_failed(key, loaded.why)
         progress.expire(self.clock.now_ms())
+        self._moved()
 
     def _count(self, progress: DirectiveProgress, loaded: Loaded) -> None:
         tally = self._tallies.get(progress.directive.directive)
@@ -954,10 +983,12 @@ class InstanceAgent:
             load = _KeyLoad(task)
             self._loads[ref] = load
             self.loads_started += 1
+            self._moved()
 
             def forget(_: object, ref: BlockRef = ref, load: _KeyLoad = load) -> None:
                 if self._loads.get(ref) is load:
                     del self._loads[ref]
+                self._moved()
 
             task.add_done_callback(forget)
         load.waiters += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import sys
@@ -458,6 +459,61 @@ def test_the_rest_of_a_directive_starts_while_its_first_block_is_still_loading(
             assert progress.state is DirectiveState.COMPLETE, progress.detail
             assert progress.loaded == tuple(keys)
             assert sorted(client.lease_requests) == [8, 16]  # one per lookup's blocks
+
+    asyncio.run(scenario())
+    source.assert_no_lease_leaked(keys)
+
+
+class SlowLookups(CountingIndex):
+    """The IS in memory, whose lookups are answered once ``gate`` opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.lookups = 0
+
+    async def lookup(self, request: LookupRequest, /) -> LookupResponse:
+        self.lookups += 1
+        await self.gate.wait()
+        return await super().lookup(request)
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "block-at-a-time"])
+def test_a_prompt_waits_for_the_blocks_a_directive_is_still_looking_up(
+    tmp_path: Path, source: Source, pipeline: bool
+) -> None:
+    """A request that comes right after the PC's directive (§6.5) uses the blocks the
+    directive loads, even while the IS has not yet answered the directive's lookup and no
+    transfer has started: it waits for them rather than computing them again. A directive for
+    another scope does not hold it up, and once a directive has failed there is no wait."""
+    index = SlowLookups()
+    keys = stored_keys(source, index, 6)
+    client = CountingClient()
+
+    async def scenario() -> None:
+        clock = ManualClock(1_000_000)
+        async with running_agent(tmp_path, index, client, clock, pipeline=pipeline) as agent:
+            other = directive_for(keys, source.url)
+            other = dataclasses.replace(other, scope_id=scope_id(bytes(32)))
+            agent.accept_directive(other)
+            assert await agent.held_prefix(SCOPE, keys) == []  # no directive of this scope
+            progress = agent.accept_directive(directive_for(keys, source.url))
+            prefix = asyncio.ensure_future(agent.held_prefix(SCOPE, keys))
+            await until(lambda: index.lookups >= 2, what="the directive's lookup under way")
+            await asyncio.sleep(0.05)
+            assert not prefix.done(), "the prompt did not wait for the directive"
+            assert client.gets_started == 0
+            index.gate.set()
+            found = await asyncio.wait_for(prefix, 30)
+            assert [block.encode() for block in found] == [container(k) for k in keys]
+            await agent.wait_directive(progress)
+            assert progress.state is DirectiveState.COMPLETE, progress.detail
+
+            missing = [BlockKey(uuid.uuid4().bytes * 2) for _ in range(2)]  # held nowhere
+            failing = agent.accept_directive(directive_for(missing, source.url))
+            await asyncio.wait_for(agent.wait_directive(failing), 30)
+            assert failing.state is DirectiveState.FAILED, failing.detail
+            assert await asyncio.wait_for(agent.held_prefix(SCOPE, missing), 1) == []
 
     asyncio.run(scenario())
     source.assert_no_lease_leaked(keys)

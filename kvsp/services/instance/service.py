@@ -30,11 +30,12 @@ is the HTTP shell. Choices the spec leaves open:
   ?wait_ms=`` may wait for the directive to stop (:meth:`InstanceAgent.wait_directive`).
   ``pipeline=False`` is kept as an operator choice and as the baseline to measure against.
 * **Generation**: the prompt's Block Keys use the request's scope key or a configured one;
-  every leading block held by the engine or the holder (or still loading for a directive) is
-  used, the rest recomputed, and the computed blocks are kept and published. Sessions that
-  survive failures (§6.8: checkpoints, resume, the release gate) are built on these pieces in
-  :mod:`kvsp.services.instance.sessions`; a status answered ``kvsp-stale-epoch`` tells them
-  that the PC declared this instance failed (:meth:`InstanceAgent.on_declared_failed`).
+  every leading block held by the engine or the holder (or that a running directive still has
+  to load, even before its lookup is answered) is used, the rest recomputed, and the computed
+  blocks are kept and published. Sessions that survive failures (§6.8: checkpoints, resume,
+  the release gate) are built on these pieces in :mod:`kvsp.services.instance.sessions`; a
+  status answered ``kvsp-stale-epoch`` tells them that the PC declared this instance failed
+  (:meth:`InstanceAgent.on_declared_failed`).
 * **Leaving** (SIGTERM, §6.3 draining): :meth:`InstanceAgent.begin_leaving` enters draining on
   the instance's own account and reports it at once, so no new work is placed here; the
   in-flight sessions and directives finish (:meth:`InstanceAgent.wait_idle`); then reporting

@@ -147,8 +147,9 @@ class QMuxConnection:
         if self._closed:
             return  # §6.2: discard what arrives while closing
         self._now = now
+        items, error = self._reader.feed_until_error(data)
         try:
-            for item in self._reader.feed(data):
+            for item in items:
                 if isinstance(item, StreamPiece):
                     self._on_stream_piece(item)
                 elif isinstance(item, RecordEnd):
@@ -157,6 +158,8 @@ class QMuxConnection:
                     self._on_frame(item)
                 if self.closed:
                     return
+            if error is not None:  # after the frames before it, as if they came first
+                raise error
         except QMuxError as exc:
             self._fail(exc)
             return

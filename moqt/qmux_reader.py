@@ -17,6 +17,7 @@ from .errors import NeedMoreData
 from .qmux_frames import (
     Frame,
     FrameType,
+    QMuxError,
     decode_other_frame,
     frame_encoding_error,
     read_stream_header,
@@ -53,7 +54,8 @@ class RecordReader:
     :meth:`feed` returns what became complete: frames, :class:`StreamPiece` slices (zero copy
     out of the fed buffers) and :data:`RECORD_END` after each record. A record whose Size is
     above ``max_record_size`` (what we advertised) or zero is FRAME_ENCODING_ERROR (§5.2,
-    §3.2), as is a frame that runs past its record. Once it raised, the reader is unusable.
+    §3.2), as is a frame that runs past its record. Once it found an error, the reader is
+    unusable.
     """
 
     def __init__(self, max_record_size: int) -> None:
@@ -73,10 +75,27 @@ class RecordReader:
 
         Raises:
             QMuxError: FRAME_ENCODING_ERROR (or TRANSPORT_PARAMETER_ERROR inside
-                QX_TRANSPORT_PARAMETERS) for malformed input.
+                QX_TRANSPORT_PARAMETERS) for malformed input; what ``data`` completed before
+                it is dropped (:meth:`feed_until_error` keeps it).
         """
+        out, error = self.feed_until_error(data)
+        if error is not None:
+            raise error
+        return out
+
+    def feed_until_error(self, data: Bytes) -> tuple[list[Received], QMuxError | None]:
+        """Parse ``data``; return what it completed up to the first malformed part, and that
+        part's error (None if there is none). A receiver acts on what came before the error
+        first, as it would have had the carrier delivered those bytes in an earlier chunk, so
+        how a connection ends does not depend on how its bytes were cut."""
         out: list[Received] = []
-        view = as_byte_view(data)
+        try:
+            self._parse(as_byte_view(data), out)
+        except QMuxError as exc:
+            return out, exc
+        return out, None
+
+    def _parse(self, view: memoryview, out: list[Received]) -> None:
         pos, end = 0, len(view)
         if self._pending:
             pos = self._resume(view, out)
@@ -87,7 +106,6 @@ class RecordReader:
                 pos = self._frame(view, pos, end, out)
             else:
                 pos = self._record_size(view, pos, end)
-        return out
 
     def _resume(self, view: memoryview, out: list[Received]) -> int:
         """Complete the straddling record Size or frame with the start of ``view``; returns

@@ -332,6 +332,27 @@ def test_stream_beyond_max_streams_is_a_stream_limit_error() -> None:
     peer.closed_with(events, TransportErrorCode.STREAM_LIMIT_ERROR)
 
 
+@pytest.mark.parametrize("cut", ["whole", "octet by octet"])
+def test_the_first_error_in_the_bytes_ends_the_connection_however_they_were_cut(cut: str) -> None:
+    """Frames that arrive before a malformed record in the same read are acted on first, as
+    they would be had they come in an earlier read: here stream 2's data is delivered and the
+    third uni stream ends the connection with STREAM_LIMIT_ERROR, before the empty record
+    (FRAME_ENCODING_ERROR) after it is looked at."""
+    peer = Crafted()
+    wire = encode_record([QxTransportParameters(PEER_TP), StreamFrame(2, 0, b"ok")])
+    wire += encode_record([StreamFrame(2 + 4 * 2, 0, b"x")]) + b"\x00"  # then an empty record
+    pieces = [wire] if cut == "whole" else [wire[i : i + 1] for i in range(len(wire))]
+    for piece in pieces:
+        peer.conn.receive_data(piece, 1.0)
+    events = []
+    while (event := peer.conn.next_event()) is not None:
+        events.append(event)
+    data = [e for e in events if isinstance(e, StreamDataReceived)]
+    assert b"".join(bytes(e.data) for e in data) == b"ok"
+    assert {e.stream_id for e in data} == {2}
+    peer.closed_with(events, TransportErrorCode.STREAM_LIMIT_ERROR)
+
+
 @pytest.mark.parametrize(
     "frame",
     [

@@ -1,9 +1,10 @@
 """Fuzz one of KVSP's parsers by hand: ``atheris_fuzz.py TARGET [options]``.
 
 TARGET names an entry of ``targets.TARGETS``: ``container`` (KVB1, spec §4.3), ``records``
-(the JSON records, §4.4), ``moqt_control`` (MOQT control messages) or ``moqt_data`` (MOQT
-stream and datagram objects). ``interop/fuzz/harness.py`` says how the driver runs. With
-atheris installed beside the venv (coverage-guided), or without it (the plain loop)::
+(the JSON records, §4.4), ``moqt_control`` (MOQT control messages), ``moqt_data`` (MOQT
+stream and datagram objects) or ``moqt_qmux`` (a client's octets of a MOQT session over QMux).
+``interop/fuzz/harness.py`` says how the driver runs. With atheris installed beside the venv
+(coverage-guided), or without it (the plain loop)::
 
     PYTHONPATH=/tmp/atheris_pkgs .venv/bin/python interop/fuzz/atheris_fuzz.py container \\
         -max_total_time=180 -max_len=4096

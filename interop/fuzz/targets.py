@@ -1,4 +1,5 @@
-"""Fuzz targets for KVSP's parsers (spec §4.3 container, §4.4 records, MOQT draft-16 §9–§10).
+"""Fuzz targets for KVSP's parsers (spec §4.3 container, §4.4 records, MOQT draft-16 §9–§10,
+and a MOQT session over QMux, draft-ietf-quic-qmux-01).
 
 Each target takes arbitrary octets and either returns or raises the library's own protocol
 error: :class:`~kvsp.errors.KVSPError` for KVSP, :class:`~moqt.errors.MOQTError` for MOQT.
@@ -92,6 +93,10 @@ from moqt.objects import (
     SubgroupHeader,
     SubgroupWriter,
 )
+from moqt.qmux import QMUX_BACKEND, QMuxConfig, QMuxConnection
+from moqt.qmux_events import ConnectionTerminated, StreamDataReceived
+from moqt.session import MOQTSession
+from moqt.session_events import FetchReceived, PublishReceived
 from moqt.wire import Location, decode_varint
 
 Target = Callable[[bytes], None]
@@ -608,10 +613,137 @@ def data_target(data: bytes) -> None:
         raise AssertionError("an accepted datagram does not round-trip")
 
 
+# --- a MOQT session over QMux (draft-ietf-quic-qmux-01, draft-nandakumar-moq-qmux-moqt-00) ------
+
+_QMUX_APP = ("moqt-16",)
+
+
+def _qmux_pair() -> tuple[QMuxConnection, MOQTSession, QMuxConnection, MOQTSession]:
+    client = QMuxConnection(is_client=True, config=QMuxConfig(application_protocols=_QMUX_APP))
+    server = QMuxConnection(is_client=False, config=QMuxConfig(application_protocols=_QMUX_APP))
+    for conn in (client, server):
+        conn.connection_made(0.0)
+    return (
+        client,
+        MOQTSession(client, is_client=True, backend=QMUX_BACKEND),
+        server,
+        MOQTSession(server, is_client=False, backend=QMUX_BACKEND),
+    )
+
+
+def qmux_seeds() -> list[bytes]:
+    """The octets a QMux client sends in a MOQT session against our server: its transport
+    parameters and CLIENT_SETUP; FETCH, SUBSCRIBE, PUBLISH_NAMESPACE, TRACK_STATUS and
+    SUBSCRIBE_NAMESPACE; then PUBLISH, a subgroup stream of three objects and a datagram once
+    the server has answered with PUBLISH_OK. Also the first record alone."""
+    client, client_session, server, server_session = _qmux_pair()
+    sent: list[bytes] = []
+
+    def pump() -> None:
+        for _ in range(100):
+            out = b"".join(bytes(b) for b in client.data_to_send(None, 0.0))
+            back = b"".join(bytes(b) for b in server.data_to_send(None, 0.0))
+            if not out and not back:
+                return
+            sent.append(out)
+            server.receive_data(out, 0.0)
+            client.receive_data(back, 0.0)
+            while (event := server.next_event()) is not None:
+                for got in server_session.handle_event(event):
+                    if isinstance(got, FetchReceived):
+                        server_session.fetch_ok(got.request_id, end_location=Location(0, 2))
+                    elif isinstance(got, PublishReceived):
+                        server_session.publish_ok(got.request_id)
+            while (event := client.next_event()) is not None:
+                client_session.handle_event(event)
+        raise AssertionError("the QMux seed session never went quiet")
+
+    pump()
+    first = sent[0]
+    client_session.fetch(_NS, b"f" * 32, Location(0, 0), Location(0, 3))
+    client_session.subscribe(_NS, b"live")
+    client_session.publish_namespace(_NS[:4])
+    client_session.track_status(_NS, b"t")
+    client_session.subscribe_namespace((b"kvsp", b"1"))
+    pump()
+    request = client_session.publish(_NS, b"live-x")
+    pump()
+    stream = client_session.open_subgroup(request, 0)
+    for index in range(3):
+        client_session.send_object(stream, index, bytes([index]) * 300, end_stream=index == 2)
+    client_session.send_datagram(request, 1, 0, b"datagram" * 8)
+    pump()
+    return [b"".join(sent), first]
+
+
+def qmux_carried(data: bytes, how: str) -> tuple[int | None, dict[int, bytes]]:
+    """Feed ``data`` to a fresh server connection alone (nothing answered, nothing sent): the
+    code it closed with (None: still open) and the octets each stream received."""
+    _, _, server, _ = _qmux_pair()
+    closed: int | None = None
+    streams: dict[int, bytearray] = {}
+    for piece in feeding(data, how):
+        server.receive_data(piece, 0.0)
+        while (event := server.next_event()) is not None:
+            if isinstance(event, StreamDataReceived):
+                streams.setdefault(event.stream_id, bytearray()).extend(event.data)
+            elif isinstance(event, ConnectionTerminated):
+                if closed is not None:
+                    raise AssertionError("the connection ended twice")
+                closed = event.error_code
+    return closed, {stream: bytes(octets) for stream, octets in streams.items()}
+
+
+def _served(data: bytes, how: str) -> None:
+    """Feed ``data`` to a fresh server connection with its MOQT session handling every event
+    and the connection's output taken after each piece, as the asyncio shell does."""
+    _, _, server, session = _qmux_pair()
+    ended = 0
+    for piece in feeding(data, how):
+        server.receive_data(piece, 0.0)
+        while (event := server.next_event()) is not None:
+            session.handle_event(event)
+            ended += isinstance(event, ConnectionTerminated)
+        server.data_to_send(None, 0.0)
+    if ended > 1:
+        raise AssertionError("the connection ended twice")
+    if ended and (server.data_to_send(None, 0.0) or session.closed is None):
+        raise AssertionError("an ended connection still sends, or its session is not closed")
+
+
+def qmux_target(data: bytes) -> None:
+    """Feed ``data`` as a QMux client's octets to our server connection, whole, one octet at a
+    time and in uneven chunks. A peer's error must end the connection with CONNECTION_CLOSE (an
+    event, never an exception). The connection alone must end the same way and hand each
+    stream the same octets however the input was cut (a stream's octets may only stop earlier
+    when an error found later in the same record ends the connection: data is handed on as it
+    arrives). With the MOQT session answering after each piece, how it ends may depend on the
+    cut (an error the session finds in an early stream can close it before a later record's
+    error is read; credit granted between pieces widens the window), so there only the rules
+    above are checked.
+
+    Raises:
+        AssertionError: the feedings disagree, or the connection ended twice.
+    """
+    closed, streams = qmux_carried(data, "whole")
+    for how in ("bytes", "uneven"):
+        got, got_streams = qmux_carried(data, how)
+        if got != closed:
+            raise AssertionError(f"fed {how} the connection ends with {got}, whole with {closed}")
+        for stream, octets in streams.items():
+            if not got_streams.get(stream, b"").startswith(octets):
+                raise AssertionError(f"fed {how}, stream {stream} got other octets")
+        if closed is None and got_streams != streams:
+            raise AssertionError(f"fed {how}, the streams got other octets")
+    for how in FEEDINGS:
+        _served(data, how)
+
+
 TARGETS: dict[str, tuple[Target, Callable[[], list[bytes]]]] = {
     "container": (container_target, container_seeds),
     "records": (records_target, record_seeds),
     "moqt_control": (control_target, control_seeds),
     "moqt_data": (data_target, data_seeds),
+    "moqt_qmux": (qmux_target, qmux_seeds),
 }
 """Each target by name, with the function that makes its seed corpus."""

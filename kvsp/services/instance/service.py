@@ -315,7 +315,8 @@ class InstanceAgent:
         self._transfers = asyncio.Semaphore(config.prefetch_concurrency)
         self._pipe_transfers = TransferBudget(config.pipeline_transfers, config.pipeline_octets)
         self._loads: dict[BlockRef, _KeyLoad] = {}
-        self._stopped: dict[uuid.UUID, asyncio.Event] = {}  # directive id → set once it stops
+        self._loading: dict[uuid.UUID, tuple[DirectiveProgress, asyncio.Event]] = {}
+        """The directives loading now, by id: each one's progress and an event set as it stops."""
         self._loads_moved = asyncio.Event()  # replaced each time it is set (:meth:`_moved`)
         self._tallies: dict[uuid.UUID, DirectiveTally] = {}  # directive id → what it loaded
         self._tasks: set[asyncio.Task[object]] = set()
@@ -591,7 +592,7 @@ class InstanceAgent:
 
     def busy(self) -> tuple[int, int]:
         """The sessions admitted and the directives still loading."""
-        return self._admitted, len(self._stopped)
+        return self._admitted, len(self._loading)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no session is admitted and no directive is loading, at most
@@ -718,15 +719,16 @@ class InstanceAgent:
         (while the IS answers its lookup, say); None once the block is held or no running
         directive has it still to load."""
         while (load := self._loads.get(ref)) is None and not self.holds(ref):
-            if not any(self._still_to_load(p, ref) for p in self.directives.pending()):
+            if not any(self._still_to_load(p, ref) for p, _ in self._loading.values()):
                 return None
             await self._loads_moved.wait()
         return load
 
-    def _still_to_load(self, progress: DirectiveProgress, ref: BlockRef) -> bool:
-        """Whether the running directive ``progress`` lists ``ref`` after its loaded prefix."""
+    @staticmethod
+    def _still_to_load(progress: DirectiveProgress, ref: BlockRef) -> bool:
+        """Whether the directive ``progress`` has ``ref`` still to load after its prefix."""
         d = progress.directive
-        if d.directive not in self._stopped or (d.compat_id, d.scope_id) != (ref.compat, ref.scope):
+        if progress.final or (d.compat_id, d.scope_id) != (ref.compat, ref.scope):
             return False
         try:
             progress.keys.index(ref.key, progress.next_index)
@@ -782,7 +784,7 @@ class InstanceAgent:
             raise Incompatible("the directive's compat_id is not this instance's", path="$")
         progress, new = self.directives.add(directive, self.clock.now_ms())
         if new:
-            self._stopped[directive.directive] = asyncio.Event()
+            self._loading[directive.directive] = (progress, asyncio.Event())
             self._spawn(self._run_directive(progress), f"kvsp-directive-{directive.directive}")
         return progress
 
@@ -790,11 +792,11 @@ class InstanceAgent:
         self, progress: DirectiveProgress, timeout: float | None = None
     ) -> None:
         """Wait until the directive has stopped, or ``timeout`` seconds (None: no limit)."""
-        stopped = self._stopped.get(progress.directive.directive)
-        if progress.final or stopped is None:  # None: its run has ended
+        running = self._loading.get(progress.directive.directive)
+        if progress.final or running is None:  # None: its run has ended
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stopped.wait(), timeout)
+            await asyncio.wait_for(running[1].wait(), timeout)
 
     async def _run_directive(self, progress: DirectiveProgress) -> None:
         tally = self._tallies[progress.directive.directive] = DirectiveTally()
@@ -809,9 +811,9 @@ class InstanceAgent:
                 tally.log(progress)
             else:
                 _log.info("directive %s stopped unfinished", progress.directive.directive)
-            stopped = self._stopped.pop(progress.directive.directive, None)
-            if stopped is not None:
-                stopped.set()
+            running = self._loading.pop(progress.directive.directive, None)
+            if running is not None:
+                running[1].set()
             self._quieter.set()
             self._moved()
 

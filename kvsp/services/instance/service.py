@@ -409,6 +409,10 @@ class InstanceAgent:
         await self.leases.aclose()
         for progress in self.directives.pending():
             progress.abort("the instance is shutting down")
+        for _, stopped in self._loading.values():  # runs cancelled before they started
+            stopped.set()
+        self._loading.clear()
+        self._moved()
         await self.holder.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, object], name: str) -> None:

@@ -519,6 +519,30 @@ def test_a_prompt_waits_for_the_blocks_a_directive_is_still_looking_up(
     source.assert_no_lease_leaked(keys)
 
 
+def test_closing_before_a_directive_ran_wakes_whoever_waits_for_it(
+    tmp_path: Path, source: Source
+) -> None:
+    """A directive whose run is cancelled before it started (the instance closes at once)
+    still lets go of a prompt waiting for its blocks and of a ``wait_directive``."""
+    index = CountingIndex()
+    keys = stored_keys(source, index, 2)
+    client = CountingClient()
+
+    async def scenario() -> None:
+        clock = ManualClock(1_000_000)
+        async with running_agent(tmp_path, index, client, clock) as agent:
+            progress = agent.accept_directive(directive_for(keys, source.url))
+            prefix = asyncio.ensure_future(agent.held_prefix(SCOPE, keys))
+            waited = asyncio.ensure_future(agent.wait_directive(progress))
+            await agent.close()
+            assert await asyncio.wait_for(prefix, 10) == []
+            await asyncio.wait_for(waited, 10)
+            assert progress.detail == "the instance is shutting down"
+            assert agent.busy() == (0, 0)
+
+    asyncio.run(scenario())
+
+
 # -- the batchers alone -------------------------------------------------------------------------
 
 

@@ -95,6 +95,16 @@ class DirectiveProgress:
         """Whether the directive has stopped (partial, complete or failed)."""
         return self.state in FINAL_STATES
 
+    def still_to_load(self, key: BlockKey) -> bool:
+        """Whether the directive is pending and lists ``key`` after its loaded prefix."""
+        if self.state is not DirectiveState.PENDING:
+            return False
+        try:
+            self.keys.index(key, self.next_index)
+        except ValueError:
+            return False
+        return True
+
     def remaining_ms(self, now_ms: int) -> int:
         """Milliseconds left before the deadline (0 once it passed)."""
         return max(0, self.deadline_at_ms - now_ms)

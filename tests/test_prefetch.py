@@ -76,6 +76,15 @@ def test_loading_every_block_completes_in_prefix_order() -> None:
     assert progress.final
 
 
+def test_a_block_is_still_to_load_while_pending_and_after_the_prefix() -> None:
+    progress = DirectiveProgress(directive(3), received_ms=0)
+    assert [progress.still_to_load(key(i)) for i in range(4)] == [True, True, True, False]
+    progress.block_loaded(key(0))
+    assert [progress.still_to_load(key(i)) for i in range(3)] == [False, True, True]
+    progress.block_failed(key(1), "gone")
+    assert not any(progress.still_to_load(key(i)) for i in range(3))
+
+
 def test_out_of_order_block_is_refused_and_changes_nothing() -> None:
     progress = DirectiveProgress(directive(3), received_ms=0)
     with pytest.raises(IllegalTransition):

@@ -723,22 +723,14 @@ class InstanceAgent:
         (while the IS answers its lookup, say); None once the block is held or no running
         directive has it still to load."""
         while (load := self._loads.get(ref)) is None and not self.holds(ref):
-            if not any(self._still_to_load(p, ref) for p, _ in self._loading.values()):
+            if not any(
+                (p.directive.compat_id, p.directive.scope_id) == (ref.compat, ref.scope)
+                and p.still_to_load(ref.key)
+                for p, _ in self._loading.values()
+            ):
                 return None
             await self._loads_moved.wait()
         return load
-
-    @staticmethod
-    def _still_to_load(progress: DirectiveProgress, ref: BlockRef) -> bool:
-        """Whether the directive ``progress`` has ``ref`` still to load after its prefix."""
-        d = progress.directive
-        if progress.final or (d.compat_id, d.scope_id) != (ref.compat, ref.scope):
-            return False
-        try:
-            progress.keys.index(ref.key, progress.next_index)
-        except ValueError:
-            return False
-        return True
 
     def _moved(self) -> None:
         """Wake what waits for a load to start or a directive to move on (:meth:`_load_of`)."""

@@ -104,6 +104,12 @@ BENCHMARKS = (
     ),
     Benchmark("crash", "bench_crash.py", "Replicas killed mid-transfer", ("--iterations", "2")),
     Benchmark(
+        "upkeep",
+        "bench_relay_upkeep.py",
+        "The relay's upkeep pass with a large cache",
+        ("--blocks", "10000,100000", "--passes", "10"),
+    ),
+    Benchmark(
         "load",
         "bench_load.py",
         "Many clients on the IS, many subscribers on the relay",

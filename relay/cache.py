@@ -8,7 +8,10 @@ the time it arrived. The rules applied here:
   the track **malformed**: its objects are dropped, never served, and the track stays refused
   (a tombstone) for ``tombstone_ms`` so that neither copy is handed out.
 * MAX_CACHE_DURATION (a track extension) bounds how long after its arrival an object may start
-  being forwarded; past it the object's state is unknown and it is dropped.
+  being forwarded; past it the object's state is unknown and it is dropped. Every read drops
+  what has expired in the track it reads; :meth:`ObjectCache.expire` sweeps the rest, taking
+  from a heap only the tracks whose first expiry has come, so that a sweep costs nothing
+  while nothing expires, however many tracks are cached.
 * A byte budget with LRU eviction by whole track (a KV block is useless in part). The cache
   never evicts by itself: :meth:`ObjectCache.victims` proposes tracks, least recently used
   first and skipping pinned ones (leased blocks), and the caller withdraws their records before
@@ -26,6 +29,7 @@ Nothing here reads a clock: every call that needs the time takes ``now_ms``.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -228,6 +232,10 @@ class ObjectCache:
         self._tracks: OrderedDict[TrackKey, CacheTrack] = OrderedDict()  # LRU first
         self._tombstones: dict[TrackKey, tuple[int, str]] = {}  # key → (until_ms, reason)
         self._evicting: set[TrackKey] = set()
+        # (first expiry, track), and the earliest one queued per track: expire() pops the due
+        # ones; a track whose first expiry moved later is looked at then and queued again
+        self._deadlines: list[tuple[int, TrackKey]] = []
+        self._queued: dict[TrackKey, int] = {}
 
     def __len__(self) -> int:
         return len(self._tracks)
@@ -259,6 +267,7 @@ class ObjectCache:
         given = tuple(extensions)
         if given:
             entry.extensions = given
+            self._queue_expiry(entry)  # MAX_CACHE_DURATION may have come or shortened
         return entry
 
     def touch(self, key: TrackKey) -> None:
@@ -311,6 +320,7 @@ class ObjectCache:
         entry.objects[location] = obj
         if entry.oldest_ms is None or obj.arrived_ms < entry.oldest_ms:
             entry.oldest_ms = obj.arrived_ms
+            self._queue_expiry(entry)
         entry.size += charge
         self.size += charge
         self._tracks.move_to_end(key)
@@ -422,10 +432,35 @@ class ObjectCache:
         return bool(stale)
 
     def expire(self, now_ms: int) -> list[TrackKey]:
-        """Drop every expired object; return the tracks that lost objects."""
-        return [
-            key for key, entry in list(self._tracks.items()) if self._drop_expired(entry, now_ms)
-        ]
+        """Drop every expired object; return the tracks that lost objects. Only the tracks
+        whose first expiry has come are looked at (amortised O(log n) each)."""
+        deadlines, queued = self._deadlines, self._queued
+        due: list[TrackKey] = []
+        while deadlines and deadlines[0][0] <= now_ms:
+            deadline, key = heapq.heappop(deadlines)
+            if queued.get(key) == deadline:  # else an earlier deadline of it came first
+                del queued[key]
+                due.append(key)
+        lost: list[TrackKey] = []
+        for key in due:
+            entry = self._tracks.get(key)
+            if entry is None:
+                continue  # evicted or found malformed since
+            if self._drop_expired(entry, now_ms):
+                lost.append(key)
+            if self._tracks.get(key) is entry:
+                self._queue_expiry(entry)  # its next object to expire
+        return lost
+
+    def _queue_expiry(self, entry: CacheTrack) -> None:
+        """Queue the track's first expiry for :meth:`expire`, unless one no later is queued."""
+        deadline = entry.expires_ms()
+        if deadline is None:
+            return
+        queued = self._queued.get(entry.key)
+        if queued is None or deadline < queued:
+            self._queued[entry.key] = deadline
+            heapq.heappush(self._deadlines, (deadline, entry.key))
 
     def victims(self, pinned: Callable[[TrackKey], bool]) -> list[TrackKey]:
         """Tracks to evict, least recently used first, until the rest fits the budget.

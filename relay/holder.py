@@ -15,15 +15,21 @@ cache's ``capacity``, leases by all clients together are bounded to half of it
 
 One record per block: a second complete replica of the same block key (other bytes) is cached
 and served but not published while the first is held.
+
+The relay's upkeep asks, twice a second, which records are due for a refresh and which
+replicas have expired: both come from deadline heaps, so that a pass over a cache of a million
+blocks looks only at the few that are due.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvsp.errors import KVSPError, NotFound
 from kvsp.ids import BlockKey
@@ -36,6 +42,8 @@ from .cache import TrackKey
 from .kv import KVReplica, replica_record
 
 log = logging.getLogger(__name__)
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 DEFAULT_RECORD_TTL_MS = 60_000
 RETRY_MS = 1000
 
@@ -50,6 +58,23 @@ class ReplicaIndex(Protocol):
     async def withdraw(self, compat_id: bytes, scope_id: bytes, key: bytes, holder: str, /) -> bool:
         """DELETE a record; False when the IS had none."""
         ...
+
+
+def _come(
+    deadlines: list[tuple[int, _K]], now_ms: int, current: Callable[[_K], _V | None]
+) -> dict[_K, _V]:
+    """Pop the ``deadlines`` heap's entries up to ``now_ms``; what ``current`` still finds
+    due for each key (None: the entry was stale), by key in deadline order. Those found are
+    queued again, so that each call names them until the caller's action (a refresh, a
+    withdrawal) ends them, as a scan of every entry would."""
+    found: dict[_K, _V] = {}
+    while deadlines and deadlines[0][0] <= now_ms:
+        _, key = heapq.heappop(deadlines)
+        if key not in found and (value := current(key)) is not None:
+            found[key] = value
+    for key in found:
+        heapq.heappush(deadlines, (now_ms, key))
+    return found
 
 
 def _default_quota() -> LeaseQuota:
@@ -108,6 +133,10 @@ class RelayHolder:
         self._of_block: dict[bytes, dict[TrackKey, None]] = {}  # block (packed) → its tracks
         self._blocks: dict[bytes, _Published] = {}  # block (packed) → its published replica
         self._lock = asyncio.Lock()  # one IS conversation at a time, in order
+        # deadlines, each checked against the current state when it comes (so a stale one,
+        # of a replica gone or a refresh moved on, is dropped then)
+        self._expiries: list[tuple[int, TrackKey]] = []  # (expires_ms, track)
+        self._refreshes: list[tuple[int, bytes]] = []  # (due_ms, block)
 
     # --- replicas ----------------------------------------------------------------------------
 
@@ -128,13 +157,23 @@ class RelayHolder:
     def add(self, replica: KVReplica) -> bool:
         """A replica became complete; True when it is the one to publish for its block."""
         self._replicas[replica.key] = replica
+        if replica.expires_ms is not None:
+            heapq.heappush(self._expiries, (replica.expires_ms, replica.key))
         packed = replica.block.packed
         self._of_block.setdefault(packed, {})[replica.key] = None
         if packed in self._blocks:
             return False
         # the caller publishes now; the refresh loop retries only if that fails
-        self._blocks[packed] = _Published(replica, due_ms=self.clock.now_ms() + RETRY_MS)
+        published = self._blocks[packed] = _Published(replica)
+        self._refresh_at(packed, published, self.clock.now_ms() + RETRY_MS)
         return True
+
+    def _refresh_at(self, packed: bytes, published: _Published, due_ms: int) -> None:
+        """Set when the block's record is next (re)published; without an index there is
+        nothing to publish, and nothing is queued."""
+        published.due_ms = due_ms
+        if self.index is not None:
+            heapq.heappush(self._refreshes, (due_ms, packed))
 
     def is_pinned(self, key: TrackKey) -> bool:
         """Whether the track's block is leased (spec §6.6: never evict it)."""
@@ -177,11 +216,12 @@ class RelayHolder:
                 granted = await self.index.publish(record)
             except (KVSPError, OSError) as exc:
                 log.warning("publishing a record failed (retried later): %s", exc)
-                published.due_ms = now + max(RETRY_MS, ttl // 10)
+                self._refresh_at(replica.block.packed, published, now + max(RETRY_MS, ttl // 10))
                 return
             if self._blocks.get(replica.block.packed) is published:
                 published.record = record
-                published.due_ms = now + max(1, granted // 3)  # refresh at a third
+                # refresh at a third
+                self._refresh_at(replica.block.packed, published, now + max(1, granted // 3))
 
     async def withdraw(self, key: TrackKey) -> None:
         """Forget the track's replica; withdraw its record first when it was published (a
@@ -222,22 +262,36 @@ class RelayHolder:
         if not tracks or packed in self._blocks:
             return
         other = self._replicas[next(iter(tracks))]
-        self._blocks[packed] = _Published(other, due_ms=self.clock.now_ms() + RETRY_MS)
+        published = self._blocks[packed] = _Published(other)
+        self._refresh_at(packed, published, self.clock.now_ms() + RETRY_MS)
         await self.publish(other.key)
 
     def due(self) -> list[TrackKey]:
-        """Tracks whose records are due for a refresh (or a retried first publication)."""
+        """Tracks whose records are due for a refresh (or a retried first publication). Each
+        stays due, and is named again, until :meth:`publish` moves its refresh on or the
+        block goes."""
         now = self.clock.now_ms()
-        return [p.replica.key for p in self._blocks.values() if now >= p.due_ms]
+        blocks = self._blocks
+
+        def current(packed: bytes) -> _Published | None:
+            published = blocks.get(packed)
+            return published if published is not None and published.due_ms <= now else None
+
+        found = _come(self._refreshes, now, current)
+        return [published.replica.key for published in found.values()]
 
     def expired(self) -> list[TrackKey]:
-        """Tracks whose MAX_CACHE_DURATION has passed."""
+        """Tracks whose MAX_CACHE_DURATION has passed; each is named again until it is
+        withdrawn."""
         now = self.clock.now_ms()
-        return [
-            key
-            for key, r in self._replicas.items()
-            if r.expires_ms is not None and now >= r.expires_ms
-        ]
+        replicas = self._replicas
+
+        def current(key: TrackKey) -> KVReplica | None:
+            replica = replicas.get(key)
+            expires = None if replica is None else replica.expires_ms
+            return replica if expires is not None and expires <= now else None
+
+        return list(_come(self._expiries, now, current))
 
     async def close(self) -> None:
         """Withdraw every published record (the relay is stopping)."""

@@ -8,6 +8,8 @@ import sys
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvsp.errors import Unauthorized
 from kvsp.moqt_mapping import Broad, Plain, Scoped, classify, layer_digest_extension
@@ -174,6 +176,86 @@ def test_an_object_arriving_once_all_others_expired_is_cached_in_a_fresh_entry()
     assert cache.size == entry.size == obj(1, b"new").charge
     assert cache.get(key, Location(0, 1), 249) is not None
     assert cache.get(key, Location(0, 1), 250) is None
+
+
+def test_a_sweep_looks_only_at_the_tracks_whose_first_expiry_has_come(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay sweeps its cache twice a second. The sweep was a scan of every cached track:
+    with a large cache it took most of the relay's time and held its event loop. Now it
+    takes the tracks whose first expiry has come from a heap: three of 2,003 here."""
+    cache = ObjectCache(1 << 30)
+    for n in range(2000):
+        key = track(b"long-%d" % n)
+        cache.open_track(key, max_cache(60_000))
+        cache.put(key, obj(0, at=n % 50))
+    short = [track(b"short-%d" % n) for n in range(3)]
+    for key in short:
+        cache.open_track(key, max_cache(100))
+        cache.put(key, obj(0, at=0))
+    looked: list[object] = []
+    drop = cache._drop_expired
+
+    def counting(entry: CacheTrack, now_ms: int) -> bool:
+        looked.append(entry.key)
+        return drop(entry, now_ms)
+
+    monkeypatch.setattr(cache, "_drop_expired", counting)
+    assert cache.expire(99) == [] and looked == []
+    assert sorted(cache.expire(100)) == sorted(short)
+    assert sorted(looked) == sorted(short)  # type: ignore[type-var]
+    assert len(cache) == 2000
+
+
+KEYS = st.integers(0, 1)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("open"), KEYS, st.sampled_from([0, 60, 150])),
+        st.tuples(st.just("put"), KEYS, st.integers(0, 3)),
+        st.tuples(st.just("get"), KEYS, st.integers(0, 3)),
+        st.tuples(st.just("evict"), KEYS, st.just(0)),
+        st.tuples(st.just("malformed"), KEYS, st.just(0)),
+        st.tuples(st.just("tick"), KEYS, st.sampled_from([20, 50, 80])),
+        st.tuples(st.just("tick"), KEYS, st.sampled_from([20, 50, 80])),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(OPS)
+def test_the_sweep_drops_what_a_scan_of_every_track_drops(ops: list[tuple[str, int, int]]) -> None:
+    """Whatever the tracks did (durations given, shortened or lengthened, objects read,
+    arriving late or into a fresh entry, tracks evicted or found malformed), the heap's
+    sweep drops the same objects, and names the same tracks, as a scan of every track."""
+    swept, scanned = ObjectCache(1 << 20), ObjectCache(1 << 20)
+    now = 0
+    for op, which, value in ops:
+        key = track(b"t%d" % which)
+        for cache in (swept, scanned):
+            if op == "open":
+                cache.open_track(key, max_cache(value) if value else ())
+            elif op == "put":
+                cache.put(key, obj(value, at=now))
+            elif op == "get":
+                cache.get(key, Location(0, value), now)
+            elif op == "evict":
+                cache.evict(key)
+            elif op == "malformed":
+                cache.mark_malformed(key, now, "a test")
+        if op != "tick":
+            continue
+        now += value
+        lost = swept.expire(now)
+        scan = [k for k, e in list(scanned._tracks.items()) if scanned._drop_expired(e, now)]
+        assert sorted(lost) == sorted(scan)
+        kept = swept.keys()
+        assert sorted(kept) == sorted(scanned.keys())
+        assert swept.size == scanned.size
+        for k in kept:
+            mine, theirs = swept.track(k), scanned.track(k)
+            assert mine is not None and theirs is not None
+            assert sorted(mine.objects) == sorted(theirs.objects)
 
 
 def test_lru_victims_skip_pinned_tracks_until_the_rest_fits() -> None:

@@ -169,3 +169,88 @@ def test_withdrawing_a_record_looks_at_the_block_alone_not_at_the_whole_cache(
         return looked
 
     assert withdrawal_looks(3000) == withdrawal_looks(1)
+
+
+class Looked(dict):  # type: ignore[type-arg]
+    """A dict that counts the entries read from it, one by key or each one of a walk."""
+
+    count = 0
+
+    def get(self, key, default=None):  # type: ignore[no-untyped-def]
+        Looked.count += 1
+        return super().get(key, default)
+
+    def values(self):  # type: ignore[no-untyped-def]
+        for value in super().values():
+            Looked.count += 1
+            yield value
+
+    def items(self):  # type: ignore[no-untyped-def]
+        for item in super().items():
+            Looked.count += 1
+            yield item
+
+
+def test_the_upkeep_looks_at_the_records_due_alone_not_at_the_whole_cache() -> None:
+    """The relay asks twice a second which records are due for a refresh and which replicas
+    have expired. Both were scans of every cached block: a relay holding a million blocks
+    spent most of its time, and held its event loop, looking at the ones not due. Now a
+    pass looks at the deadlines that have come, each once: here, past the first-publication
+    retries that the publications made stale, only the one block due."""
+
+    def looks(cached: int) -> tuple[int, int]:
+        clock = ManualClock(1_000_000)
+        holder = RelayHolder(HolderConfig(record_ttl_ms=30_000), clock, Index())
+        for n in range(cached):
+            held = replica(block_key(100 + n), b"\x05" * 32)
+            held = KVReplica(held.block, held.key, DIGESTS, 4096, 10_000_000)
+            holder.add(held)
+            asyncio.run(holder.publish(held.key))  # refreshed at 1,010,000
+        soon = replica(block_key(1), b"\x01" * 32)
+        soon = KVReplica(soon.block, soon.key, DIGESTS, 4096, 1_005_000)
+        holder.add(soon)
+        asyncio.run(holder.publish(soon.key))  # TTL 5,000: refreshed at 1,001,666
+        holder._blocks = Looked(holder._blocks)  # type: ignore[assignment]
+        holder._replicas = Looked(holder._replicas)  # type: ignore[assignment]
+        clock.set(1_001_500)
+        assert holder.due() == []  # the stale retries (one a publication) go, each once
+        Looked.count = 0
+        clock.set(1_002_000)
+        assert holder.due() == [soon.key]
+        due_looks = Looked.count
+        Looked.count = 0
+        clock.set(1_005_000)
+        assert holder.expired() == [soon.key]
+        return due_looks, Looked.count
+
+    assert looks(3000) == looks(1)
+
+
+def test_a_due_record_and_an_expired_replica_are_named_until_acted_on() -> None:
+    """Each upkeep pass names a record due for a refresh again until the refresh moves it on,
+    and an expired replica until it is withdrawn (a pass that failed half-way loses
+    nothing); a relay with no index queues no refreshes at all."""
+    clock = ManualClock(1_000_000)
+    index = Index()
+    holder = RelayHolder(HolderConfig(record_ttl_ms=30_000), clock, index)
+    held = replica(block_key(1), b"\x01" * 32)
+    held = KVReplica(held.block, held.key, DIGESTS, 4096, 1_100_000)
+    holder.add(held)
+    assert holder.due() == []
+    clock.set(1_001_000)  # the first publication was not made: retried after RETRY_MS
+    assert holder.due() == [held.key] and holder.due() == [held.key]
+    asyncio.run(holder.publish(held.key))  # granted 30,000: refreshed at a third
+    assert holder.due() == []
+    clock.set(1_010_999)
+    assert holder.due() == []
+    clock.set(1_011_000)
+    assert holder.due() == [held.key]
+    clock.set(1_100_000)
+    assert holder.expired() == [held.key] and holder.expired() == [held.key]
+    asyncio.run(holder.withdraw(held.key))
+    assert holder.expired() == [] and holder.due() == []
+
+    alone = RelayHolder(HolderConfig(record_ttl_ms=30_000), ManualClock(1_000_000))
+    alone.add(replica(block_key(2), b"\x02" * 32))
+    alone.clock.set(2_000_000)  # type: ignore[attr-defined]
+    assert alone.due() == []  # without an index there is nothing to publish

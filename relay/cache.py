@@ -6,7 +6,8 @@ the time it arrived. The rules applied here:
 
 * A duplicate of a cached object with a different payload, subgroup, priority or status makes
   the track **malformed**: its objects are dropped, never served, and the track stays refused
-  (a tombstone) for ``tombstone_ms`` so that neither copy is handed out.
+  (a tombstone) for ``tombstone_ms`` so that neither copy is handed out; the sweep forgets
+  it after that, so that tombstones of tracks never asked for again do not pile up.
 * MAX_CACHE_DURATION (a track extension) bounds how long after its arrival an object may start
   being forwarded; past it the object's state is unknown and it is dropped. Every read drops
   what has expired in the track it reads; :meth:`ObjectCache.expire` sweeps the rest, taking
@@ -236,6 +237,7 @@ class ObjectCache:
         # ones; a track whose first expiry moved later is looked at then and queued again
         self._deadlines: list[tuple[int, TrackKey]] = []
         self._queued: dict[TrackKey, int] = {}
+        self._stones: list[tuple[int, TrackKey]] = []  # (until_ms, track) of the tombstones
 
     def __len__(self) -> int:
         return len(self._tracks)
@@ -246,6 +248,11 @@ class ObjectCache:
     def keys(self) -> list[TrackKey]:
         """The cached tracks, least recently used first."""
         return list(self._tracks)
+
+    @property
+    def tombstones(self) -> int:
+        """How many malformed tracks are remembered (refused until their time is over)."""
+        return len(self._tombstones)
 
     @property
     def over_budget(self) -> bool:
@@ -332,6 +339,7 @@ class ObjectCache:
         """Drop the track and refuse it for ``tombstone_ms`` (d16 malformed track)."""
         self._remove(key)
         self._tombstones[key] = (now_ms + self.tombstone_ms, reason)
+        heapq.heappush(self._stones, (now_ms + self.tombstone_ms, key))
 
     def is_malformed(self, key: TrackKey, now_ms: int) -> bool:
         """Whether the track is tombstoned as malformed at ``now_ms``."""
@@ -432,8 +440,13 @@ class ObjectCache:
         return bool(stale)
 
     def expire(self, now_ms: int) -> list[TrackKey]:
-        """Drop every expired object; return the tracks that lost objects. Only the tracks
-        whose first expiry has come are looked at (amortised O(log n) each)."""
+        """Drop every expired object, and the tombstones whose time is over; return the
+        tracks that lost objects. Only the tracks whose first expiry has come are looked at
+        (amortised O(log n) each)."""
+        stones = self._stones
+        while stones and stones[0][0] <= now_ms:
+            _, key = heapq.heappop(stones)
+            self.is_malformed(key, now_ms)  # drops it unless a later one replaced it
         deadlines, queued = self._deadlines, self._queued
         due: list[TrackKey] = []
         while deadlines and deadlines[0][0] <= now_ms:

@@ -207,6 +207,22 @@ def test_a_sweep_looks_only_at_the_tracks_whose_first_expiry_has_come(
     assert len(cache) == 2000
 
 
+def test_the_sweep_forgets_the_tombstones_whose_time_is_over() -> None:
+    """A malformed track is refused for ``tombstone_ms``; after that the sweep forgets it.
+    Tombstones used to go only when their track was asked for again, so a publisher that
+    sent conflicting copies of many tracks grew the relay's memory for good."""
+    cache = ObjectCache(1 << 20, tombstone_ms=1_000)
+    keys = [track(b"bad-%d" % n) for n in range(500)]
+    for n, key in enumerate(keys):
+        cache.mark_malformed(key, n, "conflicting copies")
+    cache.mark_malformed(keys[0], 600, "conflicting copies again")  # refused until 1,600
+    assert cache.expire(999) == [] and cache.tombstones == 500
+    assert cache.expire(1_499) == [] and cache.tombstones == 1
+    assert cache.is_malformed(keys[0], 1_599)
+    assert cache.expire(1_600) == [] and cache.tombstones == 0
+    assert not cache.is_malformed(keys[0], 1_600)
+
+
 KEYS = st.integers(0, 1)
 OPS = st.lists(
     st.one_of(

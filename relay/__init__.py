@@ -5,6 +5,7 @@ options and the ready-file format. Modules, sans-I/O first:
 
 * :mod:`relay.cache` — objects by (Full Track Name, Group, Object), MAX_CACHE_DURATION,
   malformed-track tombstones, byte budget with LRU by track;
+* :mod:`relay.deadlines` — the self-compacting deadline heaps of the relay's upkeep;
 * :mod:`relay.routing` — longest-prefix namespace routes, SUBSCRIBE_NAMESPACE prefixes,
   subscription filters;
 * :mod:`relay.kv` — cached stored-replica tracks (named by :mod:`kvsp.moqt_mapping`), their

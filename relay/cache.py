@@ -30,7 +30,6 @@ Nothing here reads a clock: every call that needs the time takes ``now_ms``.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,6 +39,8 @@ from typing import TypeAlias
 from moqt.errors import ObjectStatus
 from moqt.messages_params import ExtensionType, track_extension
 from moqt.wire import Bytes, KeyValuePair, Location, TrackNamespace
+
+from .deadlines import Deadlines
 
 TrackKey = tuple[TrackNamespace, bytes]
 """A Full Track Name: (Track Namespace fields, Track Name)."""
@@ -233,11 +234,11 @@ class ObjectCache:
         self._tracks: OrderedDict[TrackKey, CacheTrack] = OrderedDict()  # LRU first
         self._tombstones: dict[TrackKey, tuple[int, str]] = {}  # key → (until_ms, reason)
         self._evicting: set[TrackKey] = set()
-        # (first expiry, track), and the earliest one queued per track: expire() pops the due
-        # ones; a track whose first expiry moved later is looked at then and queued again
-        self._deadlines: list[tuple[int, TrackKey]] = []
+        # (first expiry, track), and the earliest one queued per cached track: expire() pops
+        # the due ones; a track whose first expiry moved later is looked at then, queued again
         self._queued: dict[TrackKey, int] = {}
-        self._stones: list[tuple[int, TrackKey]] = []  # (until_ms, track) of the tombstones
+        self._deadlines: Deadlines[TrackKey] = Deadlines(self._queued.get)
+        self._stones: Deadlines[TrackKey] = Deadlines(self._stone_until)  # the tombstones
 
     def __len__(self) -> int:
         return len(self._tracks)
@@ -339,7 +340,11 @@ class ObjectCache:
         """Drop the track and refuse it for ``tombstone_ms`` (d16 malformed track)."""
         self._remove(key)
         self._tombstones[key] = (now_ms + self.tombstone_ms, reason)
-        heapq.heappush(self._stones, (now_ms + self.tombstone_ms, key))
+        self._stones.push(now_ms + self.tombstone_ms, key)
+
+    def _stone_until(self, key: TrackKey) -> int | None:
+        stone = self._tombstones.get(key)
+        return None if stone is None else stone[0]
 
     def is_malformed(self, key: TrackKey, now_ms: int) -> bool:
         """Whether the track is tombstoned as malformed at ``now_ms``."""
@@ -443,15 +448,12 @@ class ObjectCache:
         """Drop every expired object, and the tombstones whose time is over; return the
         tracks that lost objects. Only the tracks whose first expiry has come are looked at
         (amortised O(log n) each)."""
-        stones = self._stones
-        while stones and stones[0][0] <= now_ms:
-            _, key = heapq.heappop(stones)
+        for _, key in self._stones.pop_due(now_ms):
             self.is_malformed(key, now_ms)  # drops it unless a later one replaced it
-        deadlines, queued = self._deadlines, self._queued
+        queued = self._queued
         due: list[TrackKey] = []
-        while deadlines and deadlines[0][0] <= now_ms:
-            deadline, key = heapq.heappop(deadlines)
-            if queued.get(key) == deadline:  # else an earlier deadline of it came first
+        for deadline, key in self._deadlines.pop_due(now_ms):
+            if queued.get(key) == deadline:  # else stale: moved, or its track left the cache
                 del queued[key]
                 due.append(key)
         lost: list[TrackKey] = []
@@ -473,7 +475,7 @@ class ObjectCache:
         queued = self._queued.get(entry.key)
         if queued is None or deadline < queued:
             self._queued[entry.key] = deadline
-            heapq.heappush(self._deadlines, (deadline, entry.key))
+            self._deadlines.push(deadline, entry.key)
 
     def victims(self, pinned: Callable[[TrackKey], bool]) -> list[TrackKey]:
         """Tracks to evict, least recently used first, until the rest fits the budget.
@@ -504,6 +506,7 @@ class ObjectCache:
 
     def _remove(self, key: TrackKey) -> CacheTrack | None:
         self._evicting.discard(key)
+        self._queued.pop(key, None)
         entry = self._tracks.pop(key, None)
         if entry is not None:
             self.size -= entry.size

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from kvsp.web.auth import Principal, require_scope
 from kvsp.web.clock import Clock
 
 from .cache import TrackKey
+from .deadlines import Deadlines
 from .kv import KVReplica, replica_record
 
 log = logging.getLogger(__name__)
@@ -61,19 +61,18 @@ class ReplicaIndex(Protocol):
 
 
 def _come(
-    deadlines: list[tuple[int, _K]], now_ms: int, current: Callable[[_K], _V | None]
+    deadlines: Deadlines[_K], now_ms: int, current: Callable[[_K], _V | None]
 ) -> dict[_K, _V]:
     """Pop the ``deadlines`` heap's entries up to ``now_ms``; what ``current`` still finds
     due for each key (None: the entry was stale), by key in deadline order. Those found are
     queued again, so that each call names them until the caller's action (a refresh, a
     withdrawal) ends them, as a scan of every entry would."""
     found: dict[_K, _V] = {}
-    while deadlines and deadlines[0][0] <= now_ms:
-        _, key = heapq.heappop(deadlines)
+    for _, key in deadlines.pop_due(now_ms):
         if key not in found and (value := current(key)) is not None:
             found[key] = value
     for key in found:
-        heapq.heappush(deadlines, (now_ms, key))
+        deadlines.push(now_ms, key)
     return found
 
 
@@ -135,8 +134,8 @@ class RelayHolder:
         self._lock = asyncio.Lock()  # one IS conversation at a time, in order
         # deadlines, each checked against the current state when it comes (so a stale one,
         # of a replica gone or a refresh moved on, is dropped then)
-        self._expiries: list[tuple[int, TrackKey]] = []  # (expires_ms, track)
-        self._refreshes: list[tuple[int, bytes]] = []  # (due_ms, block)
+        self._expiries: Deadlines[TrackKey] = Deadlines(self._expires_ms)
+        self._refreshes: Deadlines[bytes] = Deadlines(self._due_ms)
 
     # --- replicas ----------------------------------------------------------------------------
 
@@ -158,7 +157,7 @@ class RelayHolder:
         """A replica became complete; True when it is the one to publish for its block."""
         self._replicas[replica.key] = replica
         if replica.expires_ms is not None:
-            heapq.heappush(self._expiries, (replica.expires_ms, replica.key))
+            self._expiries.push(replica.expires_ms, replica.key)
         packed = replica.block.packed
         self._of_block.setdefault(packed, {})[replica.key] = None
         if packed in self._blocks:
@@ -173,7 +172,15 @@ class RelayHolder:
         nothing to publish, and nothing is queued."""
         published.due_ms = due_ms
         if self.index is not None:
-            heapq.heappush(self._refreshes, (due_ms, packed))
+            self._refreshes.push(due_ms, packed)
+
+    def _expires_ms(self, key: TrackKey) -> int | None:
+        replica = self._replicas.get(key)
+        return None if replica is None else replica.expires_ms
+
+    def _due_ms(self, packed: bytes) -> int | None:
+        published = self._blocks.get(packed)
+        return None if published is None else published.due_ms
 
     def is_pinned(self, key: TrackKey) -> bool:
         """Whether the track's block is leased (spec §6.6: never evict it)."""

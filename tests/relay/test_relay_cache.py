@@ -19,7 +19,7 @@ from moqt.messages import AuthToken, TokenAliasType
 from moqt.messages_params import FilterType, SubscriptionFilter
 from moqt.objects import ObjectStart
 from moqt.wire import KeyValuePair, Location
-from relay import access, kv
+from relay import access, deadlines, kv
 from relay import ingest as ingest_module
 from relay.cache import (
     KEEP_VIEW_MIN,
@@ -207,6 +207,42 @@ def test_a_sweep_looks_only_at_the_tracks_whose_first_expiry_has_come(
     assert len(cache) == 2000
 
 
+def test_a_cache_that_turns_over_keeps_deadlines_only_for_what_it_holds() -> None:
+    """A KV track's MAX_CACHE_DURATION is its replica's TTL (an hour, say), and a relay's
+    cache may turn over in minutes. The expiry heap kept an entry, and the track's name, for
+    every track evicted within the duration: 20,000 here for a cache of 50 tracks, growing
+    with the traffic. It now compacts itself, and what it kept still expires on time."""
+    cache = ObjectCache(50 * obj(0).charge)
+    for n in range(20_000):
+        key = track(b"churn-%d" % n)
+        cache.open_track(key, max_cache(3_600_000))
+        cache.put(key, obj(0, at=n // 10))
+        for victim in cache.victims(lambda _: False):
+            cache.evict(victim)
+    held = cache.keys()
+    assert len(held) == 50
+    assert len(cache._deadlines) <= 2 * deadlines.COMPACT_FLOOR
+    assert cache.expire(3_600_000 + 1_994) == []
+    assert sorted(cache.expire(3_600_000 + 2_000)) == sorted(held)
+    assert len(cache) == 0 and len(cache._deadlines) == 0
+
+
+def test_tombstones_marked_again_and_again_keep_one_deadline_each() -> None:
+    """A publisher that keeps sending conflicting copies of the same tracks marks them
+    malformed again and again; each mark queued a deadline, kept until its time. Now the
+    stale ones are compacted away, and the last mark of each track still decides."""
+    cache = ObjectCache(1 << 20, tombstone_ms=3_600_000)
+    keys = [track(b"bad-%d" % n) for n in range(10)]
+    for n in range(20_000):
+        cache.mark_malformed(keys[n % 10], n, "conflicting copies")
+    assert len(cache._stones) <= 2 * deadlines.COMPACT_FLOOR
+    assert cache.expire(3_600_000 + 19_989) == [] and cache.tombstones == 10
+    assert cache.is_malformed(keys[0], 3_600_000 + 19_989)
+    assert not cache.is_malformed(keys[0], 3_600_000 + 19_990)
+    cache.expire(3_600_000 + 20_000)
+    assert cache.tombstones == 0 and len(cache._stones) == 0
+
+
 def test_the_sweep_forgets_the_tombstones_whose_time_is_over() -> None:
     """A malformed track is refused for ``tombstone_ms``; after that the sweep forgets it.
     Tombstones used to go only when their track was asked for again, so a publisher that
@@ -243,8 +279,11 @@ OPS = st.lists(
 def test_the_sweep_drops_what_a_scan_of_every_track_drops(ops: list[tuple[str, int, int]]) -> None:
     """Whatever the tracks did (durations given, shortened or lengthened, objects read,
     arriving late or into a fresh entry, tracks evicted or found malformed), the heap's
-    sweep drops the same objects, and names the same tracks, as a scan of every track."""
-    swept, scanned = ObjectCache(1 << 20), ObjectCache(1 << 20)
+    sweep drops the same objects, and names the same tracks, as a scan of every track; the
+    heaps compact themselves after a handful of entries here, so compaction is tried too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(deadlines, "COMPACT_FLOOR", 2)
+        swept, scanned = ObjectCache(1 << 20), ObjectCache(1 << 20)
     now = 0
     for op, which, value in ops:
         key = track(b"t%d" % which)

@@ -13,6 +13,7 @@ import pytest
 from kvsp.ids import BlockKey, CompatId, ScopeId
 from kvsp.records import ReplicaRecord
 from kvsp.web.clock import ManualClock
+from relay import deadlines
 from relay.cache import TrackKey
 from relay.holder import HolderConfig, RelayHolder
 from relay.kv import BlockTrack, KVReplica
@@ -254,3 +255,30 @@ def test_a_due_record_and_an_expired_replica_are_named_until_acted_on() -> None:
     alone.add(replica(block_key(2), b"\x02" * 32))
     alone.clock.set(2_000_000)  # type: ignore[attr-defined]
     assert alone.due() == []  # without an index there is nothing to publish
+
+
+def test_a_holder_that_turns_over_keeps_deadlines_only_for_what_it_holds() -> None:
+    """A replica's expiry and its record's refresh are queued when it is added; a replica
+    withdrawn (evicted) before then left both entries, and its names, in the heaps until
+    their time: 6,000 replicas cycled through a holder of 20 kept 12,000 entries. The heaps
+    now compact themselves, and the replicas held are still refreshed and expired on time."""
+    clock = ManualClock(1_000_000)
+    holder = RelayHolder(HolderConfig(record_ttl_ms=30_000), clock, Index())
+    held: list[KVReplica] = []
+    for n in range(6_000):
+        base = replica(block_key(n), n.to_bytes(32, "big"))
+        added = KVReplica(base.block, base.key, DIGESTS, 4096, 4_600_000)
+        holder.add(added)
+        asyncio.run(holder.publish(added.key))
+        held.append(added)
+        if len(held) > 20:
+            asyncio.run(holder.withdraw(held.pop(0).key))
+    assert len(holder._expiries) <= 2 * deadlines.COMPACT_FLOOR
+    assert len(holder._refreshes) <= 2 * deadlines.COMPACT_FLOOR
+    keys = sorted(replica.key for replica in held)
+    clock.set(1_009_999)
+    assert holder.due() == []
+    clock.set(1_010_000)  # granted 30,000: refreshed at a third
+    assert sorted(holder.due()) == keys
+    clock.set(4_600_000)
+    assert sorted(holder.expired()) == keys

@@ -220,13 +220,21 @@ class TrackReader:
             return
         self.ended = True
         self._error = error
+        self._release_sinks()
         self._wake()
         waiters, self._finish_waiters = self._finish_waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
-        if self._on_end is not None:
-            self._on_end(self)
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end(self)
+
+    def _release_sinks(self) -> None:
+        """Forget the sinks (an ended reader calls none): the connection keeps an ended
+        reader a while, to swallow what the peer still had in flight, and a sink may hold a
+        whole block (a relay's forwarder holds the objects it cached)."""
+        self._sink = self._on_object_end = self._runs = None
 
     # --- read by the application ------------------------------------------------------------------
 
@@ -258,6 +266,8 @@ class TrackReader:
         self._on_object_end = None if sink is None else object_end
         self._runs = None if self._bounds else runs
         if sink is None or not self._items:
+            if self.ended:
+                self._release_sinks()
             return
         kept: list[_Item] = []
         headers: dict[int, ObjectHeader] = {}  # the object each queued end closes
@@ -272,6 +282,8 @@ class TrackReader:
                 kept.append(item)
         self._items.clear()  # in place: an iterator may hold this deque
         self._items.extend(kept)
+        if self.ended:  # what was queued went to the sinks; nothing more will
+            self._release_sinks()
 
     def current_object(self, stream_id: int) -> ObjectHeader | None:
         """The header of the object arriving on ``stream_id`` (already received, maybe not yet

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -374,6 +375,51 @@ def test_object_end_takes_the_object_bounds_out_of_the_iterators() -> None:
         assert ends == [(0, 2), (1, 4), (2, 0)]
         kinds = [type(event) async for event in reader.events()]
         assert kinds == [FetchStreamOpened, DataStreamFinished]
+
+    asyncio.run(main())
+
+
+class _Forwarder:
+    """A sink's owner, as a relay's forwarder is: it holds what it forwarded."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+
+    def piece(self, header: ObjectHeader, data: memoryview, offset: int) -> None:
+        self.pieces.append(bytes(data))
+
+    def end(self, header: ObjectHeader) -> None:
+        pass
+
+
+def test_an_ended_reader_lets_go_of_its_sinks() -> None:
+    """A connection keeps its last ENDED_READERS_KEPT ended readers (to swallow what the peer
+    still had in flight). Each kept its sinks, and through them whatever their owner held: a
+    relay kept the forwarder of each of its last 1,024 upstream FETCHes, and with it every
+    object of those blocks, far past its cache budget. An ended reader calls no sink, so it
+    now keeps none, also when the sink is set after the end (a FETCH done before its
+    FETCH_OK was handled)."""
+
+    async def main() -> None:
+        for set_before_end in (True, False):
+            reader = TrackReader(7)
+            owner = _Forwarder()
+            gone = weakref.ref(owner)
+            reader.on_event(FetchStreamOpened(3, 7))
+            if set_before_end:
+                reader.set_payload_sink(owner.piece, object_end=owner.end)
+            reader.on_event(header(3, 0, 2))
+            reader.on_payload(3, memoryview(b"ab"), 0)
+            reader.on_event(ObjectEnd(3, 7, 0, 0))
+            reader.on_event(DataStreamFinished(3, 7))
+            reader._fetch_done()
+            if not set_before_end:
+                reader.set_payload_sink(owner.piece, object_end=owner.end)
+            assert owner.pieces == [b"ab"]
+            del owner
+            assert gone() is None, "the ended reader still holds its sink's owner"
+            kinds = [type(event) async for event in reader.events()]
+            assert kinds == [FetchStreamOpened, DataStreamFinished]
 
     asyncio.run(main())
 

@@ -110,6 +110,12 @@ BENCHMARKS = (
         ("--blocks", "10000,100000", "--passes", "10"),
     ),
     Benchmark(
+        "steady",
+        "bench_relay_steady.py",
+        "Relay misses with a full cache, receive buffers pooled or fresh",
+        ("--rounds", "4"),
+    ),
+    Benchmark(
         "load",
         "bench_load.py",
         "Many clients on the IS, many subscribers on the relay",

@@ -509,7 +509,11 @@ def start_moqrs_relay(workdir: Path) -> PeerProcess:
 
 
 def start_our_relay(
-    workdir: Path, *extra: str, qmux_tcp: bool = False, qmux_unix: Path | None = None
+    workdir: Path,
+    *extra: str,
+    qmux_tcp: bool = False,
+    qmux_unix: Path | None = None,
+    preamble: str | None = None,
 ) -> PeerProcess:
     """This project's relay (``python -m relay.app``) in its open plain-relay mode on
     ephemeral loopback ports; ``url`` is its MOQT URI (from the ready file's ``"moqt"``),
@@ -519,6 +523,8 @@ def start_our_relay(
     FILE`` plus ``extra``, plus ``--qmux-tcp-listen 127.0.0.1:0`` with ``qmux_tcp`` and
     ``--qmux-unix PATH`` with ``qmux_unix`` (keep that path short: a Unix socket path has at
     most 107 octets); its ready file is JSON ``{"moqt": …, "http": …, "carriers": […]}``.
+    ``preamble``, Python run in the relay's process before ``relay.app``, lets a benchmark
+    set a module variable there (``python -c``, then ``relay.app`` as ``__main__``).
 
     Raises:
         PeerUnavailable: ``relay.app`` (or, for a QMux carrier, ``moqt.qmux_asyncio``) does not
@@ -539,6 +545,9 @@ def start_our_relay(
         raise PeerUnavailable("moqt.qmux_asyncio does not exist yet (QMux is being written)")
     ready = workdir / "relay-ready.json"
     argv = [sys.executable, "-m", "relay.app", "--open", "--listen", "127.0.0.1:0"]
+    if preamble is not None:
+        run_app = "import runpy; runpy.run_module('relay.app', run_name='__main__', alter_sys=True)"
+        argv[1:3] = ["-c", f"{preamble}\n{run_app}"]
     argv += ["--state", str(workdir / "relay-state"), "--ready-file", str(ready), *extra]
     if qmux_tcp:
         argv += ["--qmux-tcp-listen", "127.0.0.1:0"]

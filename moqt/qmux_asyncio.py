@@ -18,16 +18,16 @@ draft-nandakumar-moq-qmux-moqt-00 for MOQT over QMux:
 straight into a large buffer (``recv_into`` on a plain socket; over TLS the records are
 decrypted into one, see :data:`DEFAULT_TLS_ENGINE`), up to a MiB a read, and the bytes go to
 the :class:`~moqt.qmux.QMuxConnection` as read-only slices that are never overwritten
-(:class:`ReceiveBuffers`), so stream data stays slices of them; events go to the MOQT session,
-and one transmit follows each read. Writes are lists of buffers: on a plain socket they go out
-with one ``sendmsg`` while the transport holds nothing (asyncio 3.11's ``writelines`` would
-join them), over TLS through ``writelines``, which encrypts each buffer as it is (joining them
-first into larger chunks costs more than the small records it saves) in batches of
-:data:`TLS_WRITE_BATCH` bytes: the TLS transport encrypts all it is handed before it sends any
-of it, so a whole block handed at once would reach the peer only when all of it is encrypted
-(:data:`DEFAULT_TLS_ENGINE` says who processes the records). ``pause_writing`` stops the pump;
-``resume_writing`` transmits and wakes the connection's writers. The idle timeout runs on
-``loop.call_at``.
+(:class:`~moqt.receive_buffers.ReceiveBuffers`), so stream data stays slices of them; events go
+to the MOQT session, and one transmit follows each read. Writes are lists of buffers: on a plain
+socket they go out with one ``sendmsg`` while the transport holds nothing (asyncio 3.11's
+``writelines`` would join them), over TLS through ``writelines``, which encrypts each buffer as
+it is (joining them first into larger chunks costs more than the small records it saves) in
+batches of :data:`TLS_WRITE_BATCH` bytes: the TLS transport encrypts all it is handed before it
+sends any of it, so a whole block handed at once would reach the peer only when all of it is
+encrypted (:data:`DEFAULT_TLS_ENGINE` says who processes the records). ``pause_writing`` stops
+the pump; ``resume_writing`` transmits and wakes the connection's writers. The idle timeout
+runs on ``loop.call_at``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import mmap
 import os
 import socket
 import ssl
@@ -56,6 +55,7 @@ from .qmux import (
     QMuxConnection,
 )
 from .qmux_tls import TLSWorkerTransport, open_tls_connection, serve_tls
+from .receive_buffers import ReceiveBuffers
 from .session import MOQTSession, SessionConfig
 from .transport import tune_socket
 from .wire import Bytes
@@ -87,8 +87,6 @@ so it only pays where a core would otherwise be idle."""
 WRITE_BATCH = 4 << 20  # bytes framed per data_to_send call while the carrier takes them
 TLS_WRITE_BATCH = 256 << 10  # over TLS: each batch is encrypted, then sent (see transmit)
 WRITE_HIGH_WATER = 8 << 20  # the transport's buffer above which the pump pauses
-RECEIVE_BUFFER = 1 << 20  # bytes one read may take (the size of each receive buffer)
-RECEIVE_MIN_READ = 64 << 10  # a shorter free tail starts a fresh buffer
 IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 CLOSE_WAIT = 2.0  # seconds to wait for the carrier to close after CONNECTION_CLOSE
 UNIX_MODE = 0o600
@@ -167,119 +165,6 @@ def require_loopback(host: str, trusted_network: bool) -> None:
             f"plain TCP on {host!r} would carry MOQT unprotected off this host: use TLS, "
             "or pass trusted_network=True on a network you trust"
         )
-
-
-class ReceiveBuffers:
-    """Where the carrier's bytes land: the unfilled tail of a large buffer, handed out, once
-    filled, as read-only slices that stay valid.
-
-    Nothing that was filled is ever written again while any view of it is alive: when the
-    tail is short the next read starts another buffer, and the old one lives as long as a
-    slice of it does (payload queued for a reader, or forwarded by a relay without a copy).
-    So bytes are copied once, from the kernel (or the TLS layer) straight into the buffer,
-    and one read takes up to ``size`` bytes.
-
-    The buffer given up last is kept, and taken again instead of a fresh one once no view of
-    it is left: a ``bytearray`` refuses to be resized while anything views it, and so does an
-    ``mmap`` (BufferError), so a resize that succeeds proves every slice handed out is gone. A
-    consumer that copies what it reads (a FETCH landing in its block buffer) thus alternates
-    two buffers whose pages stay mapped; one that keeps slices (a relay caching what it
-    forwards) needs fresh memory for every buffer. A connection holds at most two buffers.
-
-    Fresh memory is zero-filled twice when it is a ``bytearray`` (by the kernel as each 4 KiB
-    page faults in on first touch, then by Python), one fault per page. So once a connection
-    has filled a whole buffer (it carries bulk data, not just control messages), its later
-    buffers are anonymous private mappings made with ``MAP_POPULATE`` (``prefault``): the
-    kernel maps and zeroes all their pages in the one ``mmap`` call, and nothing else writes
-    them before the carrier does. Such a mapping is unmapped when its last slice is gone, as a
-    ``bytearray`` is freed. Where ``MAP_POPULATE`` does not exist every buffer is a
-    ``bytearray``.
-    """
-
-    __slots__ = (
-        "size",
-        "min_read",
-        "prefault",
-        "_buffer",
-        "_writable",
-        "_readonly",
-        "_filled",
-        "_spare",
-        "_bulk",
-    )
-
-    def __init__(
-        self,
-        size: int = RECEIVE_BUFFER,
-        min_read: int = RECEIVE_MIN_READ,
-        *,
-        prefault: bool = True,
-    ) -> None:
-        self.size = size
-        self.min_read = min_read
-        self.prefault = prefault and hasattr(mmap, "MAP_POPULATE")
-        self._buffer: bytearray | mmap.mmap = bytearray()
-        self._writable = memoryview(self._buffer)
-        self._readonly = self._writable.toreadonly()
-        self._filled = 0
-        self._spare: bytearray | mmap.mmap | None = None  # the buffer given up last
-        self._bulk = False  # a whole buffer was filled: later ones are prefaulted
-
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """The free tail to read into; another buffer when the tail is under ``min_read``
-        bytes and does not hold ``sizehint`` (what the carrier has ready, where it knows)."""
-        free = len(self._buffer) - self._filled
-        if free < self.min_read and not 0 < sizehint <= free:
-            self._replace(max(self.size, sizehint))
-        return self._writable[self._filled :]
-
-    def _replace(self, size: int) -> None:
-        old, spare = self._buffer, self._spare
-        if len(old) >= self.size:
-            self._bulk = self.prefault
-        buffer = spare if spare is not None and len(spare) == size and _unviewed(spare) else None
-        self._spare = old if len(old) == self.size else spare
-        if buffer is None:
-            buffer = _prefaulted(size) if self._bulk else bytearray(size)
-        self._buffer = buffer
-        # our own views of the old buffer go with these: only the slices handed out hold it
-        self._writable = memoryview(buffer)
-        self._readonly = self._writable.toreadonly()
-        self._filled = 0
-
-    def filled(self, nbytes: int) -> memoryview:
-        """``nbytes`` were written at the start of the last :meth:`get_buffer`: those bytes,
-        read-only."""
-        start = self._filled
-        self._filled = end = start + nbytes
-        return self._readonly[start:end]
-
-
-def _prefaulted(size: int) -> mmap.mmap | bytearray:
-    """``size`` bytes of fresh anonymous memory, every page mapped (and zeroed) by the kernel
-    in this one call; a ``bytearray`` where the kernel refuses another mapping (a process may
-    hold ``vm.max_map_count`` of them, 65,530 by default: 64 GiB of 1 MiB buffers)."""
-    try:
-        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-    except OSError:
-        return bytearray(size)
-
-
-def _unviewed(buffer: bytearray | mmap.mmap) -> bool:
-    """Whether no view of ``buffer`` is alive (it may then be written again): a bytearray or
-    an mmap that anything views cannot be resized. Its length and octets are left as they
-    were."""
-    try:
-        if isinstance(buffer, mmap.mmap):
-            buffer.resize(len(buffer))
-        else:
-            buffer.append(0)
-            del buffer[-1]
-    except BufferError:
-        return False
-    except (OSError, SystemError):  # an mmap this platform cannot resize: never written again
-        return False
-    return True
 
 
 class QMuxProtocol(asyncio.BufferedProtocol):

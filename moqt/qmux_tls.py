@@ -23,7 +23,7 @@ and ``SSLObject.read`` where even that refuses. The exchange between the loop an
 thread is in whole chunks:
 
 * in: each socket read (up to :data:`READ_CHUNK`) goes to the worker, which feeds the incoming
-  BIO and reads plaintext into :class:`~moqt.qmux_asyncio.ReceiveBuffers` of its own, handing
+  BIO and reads plaintext into :class:`~moqt.receive_buffers.ReceiveBuffers` of its own, handing
   the loop read-only slices of at most :data:`PLAIN_CHUNK` (so the loop starts on a large read
   before all of it is decrypted); the socket stops being read while :data:`READ_QUEUE` reads
   wait for the worker;
@@ -91,7 +91,7 @@ _POOL_MAX = READ_QUEUE + 2  # spare socket read buffers kept
 
 
 class PlainBuffers(Protocol):
-    """Where the worker reads plaintext: :class:`~moqt.qmux_asyncio.ReceiveBuffers`."""
+    """Where the worker reads plaintext: :class:`~moqt.receive_buffers.ReceiveBuffers`."""
 
     def get_buffer(self, sizehint: int = -1) -> memoryview: ...
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
 import mmap
 import os
@@ -25,6 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moqt import receive_buffers
 from moqt.asyncio import MOQTConnection, SessionClosedError
 from moqt.certs import make_self_signed
 from moqt.errors import ListenError, PublishDoneCode, RequestErrorCode, SessionError
@@ -34,7 +36,6 @@ from moqt.qmux_asyncio import (
     TLS_WRITE_BATCH,
     QMuxEndpoint,
     QMuxServer,
-    ReceiveBuffers,
     TLSEngine,
     client_ssl_context,
     connect_qmux,
@@ -43,6 +44,7 @@ from moqt.qmux_asyncio import (
     server_ssl_context,
 )
 from moqt.qmux_frames import NO_APPLICATION_PROTOCOL
+from moqt.receive_buffers import BufferPool, ReceiveBuffers, prefaulted
 from moqt.session_events import FetchReceived, ObjectData, ObjectHeader, SubscribeReceived
 from moqt.wire import Location
 from tests.support.qmux_servers import listening, released
@@ -492,9 +494,8 @@ def fill(buffers: ReceiveBuffers, octet: int, count: int) -> memoryview:
     return buffers.filled(count)
 
 
-@BUFFER_KINDS
-def test_receive_buffers_take_a_buffer_again_once_no_slice_of_it_is_left(prefault: bool) -> None:
-    buffers = ReceiveBuffers(size=1000, min_read=300, prefault=prefault)
+def test_receive_buffers_take_a_bytearray_again_once_no_slice_of_it_is_left() -> None:
+    buffers = ReceiveBuffers(size=1000, min_read=300, prefault=False)
     first = fill(buffers, 1, 1000)
     owner = first.obj
     del first  # every slice of the first buffer is gone
@@ -503,6 +504,29 @@ def test_receive_buffers_take_a_buffer_again_once_no_slice_of_it_is_left(prefaul
     third = fill(buffers, 3, 1000)  # the spare again, written over
     assert third.obj is owner and third == b"\x03" * 1000 and len(owner) == 1000
     assert second == b"\x02" * 1000
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="no MAP_POPULATE here")
+def test_receive_buffers_take_a_pooled_buffer_again_once_no_slice_of_it_is_left() -> None:
+    """A connection that carries bulk data takes its buffers from a pool, which takes each
+    back once its last slice is gone: a consumer that copies what it reads, or a relay whose
+    cache let go of it, gets the same pages again instead of fresh memory."""
+    pool = BufferPool(1000, keep=4)
+    buffers = ReceiveBuffers(size=1000, min_read=300, pool=pool)
+    fill(buffers, 0, 1000)  # a bytearray: the connection has not carried bulk data yet
+    first = fill(buffers, 1, 1000)
+    assert (pool.taken, pool.reused, pool.free) == (1, 0, 0)
+    del first
+    second = fill(buffers, 2, 1000)
+    assert (pool.taken, pool.reused) == (2, 1)  # the first one's mapping, written over
+    kept = second[:10]
+    del second
+    third = fill(buffers, 3, 1000)  # a slice of the second is alive: fresh memory
+    assert (pool.taken, pool.reused) == (3, 1)
+    assert kept == b"\x02" * 10 and third == b"\x03" * 1000
+    del kept, third
+    fill(buffers, 4, 1000)
+    assert (pool.taken, pool.reused, pool.free) == (4, 2, 1)
 
 
 @BUFFER_KINDS
@@ -536,37 +560,91 @@ def test_receive_buffers_keep_every_held_slice_intact(
         assert all(view == expected for view, expected in held)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 1), st.integers(1, 1000), st.booleans(), st.integers(0, 5)),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_two_connections_on_one_pool_never_write_a_slice_still_held(
+    steps: list[tuple[int, int, bool, int]],
+) -> None:
+    """Two connections share the process's pool, keep some slices and let go of others (a
+    relay's cache evicting): every slice still held keeps its octets, whatever buffer the
+    pool handed out again."""
+    pool = BufferPool(1000, keep=3)
+    connections = [ReceiveBuffers(size=1000, min_read=300, pool=pool) for _ in range(2)]
+    held: list[tuple[memoryview, bytes]] = []
+    for index, (which, count, keep, drop) in enumerate(steps):
+        if drop and held:
+            del held[drop % len(held)]
+        tail = connections[which].get_buffer(-1)
+        count = min(count, len(tail))
+        tail[:count] = bytes([index % 251]) * count
+        data = connections[which].filled(count)
+        if keep:
+            held.append((data, bytes(data)))
+        del data, tail
+        assert all(view == expected for view, expected in held)
+    assert pool.free <= 3
+
+
 @pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="no MAP_POPULATE here")
-def test_receive_buffers_prefault_the_buffers_of_a_connection_that_filled_one() -> None:
+def test_receive_buffers_prefault_the_buffers_of_a_connection_that_filled_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The first buffer is a bytearray (a connection may carry only control messages); once
-    one was filled, fresh buffers are prefaulted mappings, and a hint larger than the size
-    gets one too."""
+    one was filled, fresh buffers are prefaulted mappings, from the pool, and a hint larger
+    than the size gets one of its own."""
+    made: list[int] = []
+
+    def counted(size: int) -> mmap.mmap | bytearray:
+        made.append(size)
+        return prefaulted(size)
+
+    monkeypatch.setattr(receive_buffers, "prefaulted", counted)
     buffers = ReceiveBuffers(size=1000, min_read=300)
     first = fill(buffers, 1, 700)
     assert type(first.obj) is bytearray
     second = fill(buffers, 2, 300)  # 300 free is not under min_read: the same buffer
     assert second.obj is first.obj and len(second) == 300
-    third = fill(buffers, 3, 1000)  # the first was filled: a prefaulted mapping
-    assert type(third.obj) is mmap.mmap and len(third.obj) == 1000
+    third = fill(buffers, 3, 1000)  # the first was filled: a pooled, prefaulted mapping
+    assert isinstance(third.obj, ctypes.Array) and made == [1000]
     assert len(buffers.get_buffer(5000)) == 5000
     fourth = buffers.filled(5000)
-    assert type(fourth.obj) is mmap.mmap and len(fourth.obj) == 5000
+    assert type(fourth.obj) is mmap.mmap and len(fourth.obj) == 5000 and made == [1000, 5000]
     assert first == b"\x01" * 700 and second == b"\x02" * 300 and third == b"\x03" * 1000
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="no MAP_POPULATE here")
-def test_receive_buffers_unmap_a_prefaulted_buffer_once_its_last_slice_is_gone() -> None:
-    """A relay caches slices: each buffer lives while a slice of it does, and no longer (it is
-    neither the current buffer nor the spare by then)."""
-    buffers = ReceiveBuffers(size=1000, min_read=300)
+def test_the_pool_keeps_so_many_free_buffers_and_unmaps_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A relay caches slices: each buffer lives while a slice of it does. Once the last is
+    gone the pool takes it back, up to ``keep`` free buffers; the others are unmapped (a
+    relay whose cache emptied returns the memory)."""
+    mappings: list[weakref.ref[mmap.mmap]] = []
+
+    def watched(size: int) -> mmap.mmap | bytearray:
+        mapping = prefaulted(size)
+        assert type(mapping) is mmap.mmap
+        mappings.append(weakref.ref(mapping))
+        return mapping
+
+    monkeypatch.setattr(receive_buffers, "prefaulted", watched)
+    pool = BufferPool(1000, keep=2)
+    buffers = ReceiveBuffers(size=1000, min_read=300, pool=pool)
     fill(buffers, 0, 1000)
-    kept = fill(buffers, 1, 1000)[100:200]  # a slice of a prefaulted buffer, kept
-    owner = weakref.ref(kept.obj)
-    for octet in range(2, 6):  # more buffers: the kept one is neither current nor spare
-        fill(buffers, octet, 1000)
-    assert owner() is not None and kept == b"\x01" * 100
+    kept = [fill(buffers, octet, 1000)[100:200] for octet in range(1, 6)]
+    assert len(mappings) == 5 and pool.free == 0
+    assert [view.tobytes() for view in kept] == [bytes([octet]) * 100 for octet in range(1, 6)]
     del kept
-    assert owner() is None
+    buffers.get_buffer(5000)  # the connection lets go of its buffer: a larger one, unpooled
+    assert pool.free == 2 and len(mappings) == 6
+    alive = [ref() is not None for ref in mappings]
+    assert sum(alive[:5]) == 2 and alive[5]  # three of the five were unmapped
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="no MAP_POPULATE here")

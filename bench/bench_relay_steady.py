@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -34,25 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_moqt as bm  # noqa: E402
+from bench_load import MIB, rss_of  # noqa: E402
 
 FRESH = "import moqt.receive_buffers as pool\npool.RECEIVE_POOL.keep = 0"
 """The relay's preamble for the variant without reuse: no buffer is ever kept free."""
 BLOCKS = 240
 """Distinct blocks the publisher stores (its spawned process imports this module)."""
 bm.SHAPES = (bm.make_shape("2 MiB", 32, 8, 128, BLOCKS),)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def resident_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def measure(pooled: bool, cache: str, warm: int, misses: int) -> dict[str, float]:
@@ -93,17 +80,17 @@ def measure(pooled: bool, cache: str, warm: int, misses: int) -> dict[str, float
             for record in records[:warm]:
                 await fetch(record)
             pids = (relay.proc.pid, process.pid)
-            before = [time.process_time(), *map(cpu_seconds, pids)]
+            before = [time.process_time(), *map(bm.process_cpu, pids)]
             started = time.perf_counter()
             for record in records[warm:]:
                 await fetch(record)
             elapsed = time.perf_counter() - started
-            after = [time.process_time(), *map(cpu_seconds, pids)]
+            after = [time.process_time(), *map(bm.process_cpu, pids)]
             count = len(records) - warm
             out["rate"] = count * shape.payload / elapsed / 1e6
             for name, a, b in zip(("client", "relay", "publisher"), before, after, strict=True):
                 out[name] = 1000 * (b - a) / count
-            out["rss"] = resident_mib(relay.proc.pid)
+            out["rss"] = rss_of(relay.proc.pid) / MIB
 
     try:
         asyncio.run(run())

@@ -116,6 +116,12 @@ BENCHMARKS = (
         ("--rounds", "4"),
     ),
     Benchmark(
+        "floor",
+        "bench_relay_floor.py",
+        "A relay miss against byte forwarders that parse nothing",
+        ("--seconds", "8"),
+    ),
+    Benchmark(
         "load",
         "bench_load.py",
         "Many clients on the IS, many subscribers on the relay",

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test setup lint clean
 
-$(STAMP): pyproject.toml setup.py kvsp/_sha256x2.c moqt/_objscan.c moqt/_tlsrecords.c
+$(STAMP): pyproject.toml setup.py kvsp/_sha256x2.c moqt/_objscan.c moqt/_frozen.c moqt/_tlsrecords.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[engine,redis,quic-fast,sim,transformers,test]'

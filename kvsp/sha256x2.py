@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from types import ModuleType
-from typing import TypeAlias, cast
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 _native: ModuleType | None
 try:
@@ -56,7 +56,10 @@ else:  # pragma: no cover - only where the extension could not be built
         raise RuntimeError("kvsp._sha256x2 was not built here; use hashlib")
 
 
-Buffer: TypeAlias = bytes | bytearray | memoryview
+if TYPE_CHECKING:  # any object with the buffer protocol (a relay's cached slices too)
+    from typing_extensions import Buffer
+else:
+    Buffer: TypeAlias = bytes | bytearray | memoryview
 
 PAIRED: bool = ACCELERATED and hasattr(_native, "digest_pair")
 """Whether :func:`digest_pair` runs its two messages on the two lanes in one native pass."""

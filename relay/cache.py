@@ -25,6 +25,12 @@ forwards what it receives without copying it. Such a view keeps the buffer it wa
 into alive while cached, so only views of at least :data:`KEEP_VIEW_MIN` octets are kept; short
 pieces, and anything writable, are copied (:func:`frozen_payload`).
 
+Nothing cached can be part of a reference cycle, so, where ``moqt._frozen`` is built, the cache
+keeps a view as a ``FrozenSlice`` and takes each cached object and its Location off the cyclic
+garbage collector's lists: a full collection then costs the same whatever the cache holds,
+instead of walking four objects per cached object (about 100 ms of the event loop for a 1 GiB
+cache of 4 KiB objects). Without it, payloads stay memoryviews and everything is tracked.
+
 Nothing here reads a clock: every call that needs the time takes ``now_ms``.
 """
 
@@ -34,13 +40,23 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TypeAlias
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias
 
 from moqt.errors import ObjectStatus
 from moqt.messages_params import ExtensionType, track_extension
 from moqt.wire import Bytes, KeyValuePair, Location, TrackNamespace
 
 from .deadlines import Deadlines
+
+if TYPE_CHECKING:
+    from moqt._frozen import FrozenSlice
+
+_frozen: ModuleType | None
+try:
+    from moqt import _frozen
+except ImportError:  # built without the C extension: payloads stay memoryviews, all tracked
+    _frozen = None
 
 TrackKey = tuple[TrackNamespace, bytes]
 """A Full Track Name: (Track Namespace fields, Track Name)."""
@@ -49,9 +65,11 @@ OBJECT_OVERHEAD = 64
 """Octets charged per cached object besides its payload (bookkeeping)."""
 DEFAULT_TOMBSTONE_MS = 60_000
 
-Payload: TypeAlias = Bytes | tuple[Bytes, ...]
+Held: TypeAlias = "Bytes | FrozenSlice"
+"""A read-only buffer the cache keeps: ``bytes``, or a slice of received data."""
+Payload: TypeAlias = "Held | tuple[Held, ...]"
 """A cached payload: one read-only buffer, or the read-only pieces it arrived in, in order
-(never joined; :meth:`~moqt.asyncio.MOQTConnection.write_payload` takes either)."""
+(never joined; :meth:`CachedObject.sendable` is what a session writes)."""
 
 
 KEEP_VIEW_MIN = 16 << 10
@@ -59,15 +77,38 @@ KEEP_VIEW_MIN = 16 << 10
 small piece never keeps a whole receive buffer (up to 1 MiB) alive by itself."""
 
 
-def frozen_payload(data: Bytes) -> Bytes:
-    """``data`` as a payload the cache may keep: itself when ``bytes``, or a read-only view
-    (received data, which is never rewritten) of at least :data:`KEEP_VIEW_MIN` octets; else
-    a copy."""
-    if type(data) is bytes or (
-        type(data) is memoryview and data.readonly and len(data) >= KEEP_VIEW_MIN
-    ):
+def frozen_payload(data: Bytes) -> Held:
+    """``data`` as a payload the cache may keep: itself when ``bytes``; a read-only view
+    (received data, which is never rewritten) of at least :data:`KEEP_VIEW_MIN` octets, as a
+    ``FrozenSlice`` of the same octets where that is built; else a copy."""
+    if type(data) is bytes:
+        return data
+    if type(data) is memoryview and data.readonly and len(data) >= KEEP_VIEW_MIN:
+        if _frozen is not None and data.c_contiguous and data.itemsize == 1:
+            frozen: FrozenSlice = _frozen.FrozenSlice(data)
+            return frozen
         return data
     return bytes(data)
+
+
+def _untrack(frozen: ModuleType, obj: CachedObject, location: Location) -> None:
+    """Take a cached object off the collector's lists, with its Location, its payload's tuple
+    and its extensions (pairs of an int, an enum member or bytes): nothing of it refers to
+    anything that could refer back to it, so no cycle passes through it."""
+    untrack = frozen.untrack
+    untrack(obj)
+    untrack(location)
+    if type(obj.payload) is tuple:
+        untrack(obj.payload)
+    if obj.extensions:
+        for pair in obj.extensions:
+            untrack(pair)
+        untrack(obj.extensions)
+
+
+def _sendable(piece: Held) -> Bytes:
+    """A kept buffer as a session writes it (a FrozenSlice through a view of it)."""
+    return piece if type(piece) is bytes or type(piece) is memoryview else memoryview(piece)
 
 
 def same_bytes(a: Bytes, b: Bytes) -> bool:
@@ -112,7 +153,14 @@ class CachedObject:
     def payload_bytes(self) -> Bytes:
         """The payload as one buffer (joined, a copy, when it is in pieces)."""
         payload = self.payload
-        return b"".join(payload) if isinstance(payload, tuple) else payload
+        return b"".join(payload) if isinstance(payload, tuple) else _sendable(payload)
+
+    def sendable(self) -> Bytes | tuple[Bytes, ...]:
+        """The payload as a session writes it: the same buffers, none joined or copied."""
+        payload = self.payload
+        if isinstance(payload, tuple):
+            return tuple(map(_sendable, payload))
+        return _sendable(payload)
 
     @property
     def charge(self) -> int:
@@ -326,6 +374,8 @@ class ObjectCache:
         if self.size + charge > self.hard_limit:
             return PutResult.REFUSED
         entry.objects[location] = obj
+        if _frozen is not None:
+            _untrack(_frozen, obj, location)
         if entry.oldest_ms is None or obj.arrived_ms < entry.oldest_ms:
             entry.oldest_ms = obj.arrived_ms
             self._queue_expiry(entry)

@@ -68,7 +68,7 @@ async def serve_cached(connection: MOQTConnection, request_id: int, plan: FetchP
         objects = [  # a joining FETCH with no history here has none: an empty stream
             StreamObject(
                 object_id=obj.object_id,
-                payload=obj.payload,
+                payload=obj.sendable(),
                 extensions=obj.extensions,
                 group_id=obj.group_id,
                 subgroup_id=obj.subgroup_id,

@@ -29,6 +29,7 @@ from moqt.wire import Bytes, Location
 
 from .cache import (
     CachedObject,
+    Held,
     ObjectCache,
     PutResult,
     TrackKey,
@@ -42,7 +43,7 @@ from .kv import BlockTrack, KVReplica, ReplicaWatch, block_track, check_layer
 class _Object:
     start: ObjectStart
     cached: CachedObject | None  # the copy to compare with, or None for a new object
-    pieces: list[Bytes] = field(default_factory=list)  # of a new object, as they arrived
+    pieces: list[Held] = field(default_factory=list)  # of a new object, as they arrived
     offset: int = 0
 
 
@@ -51,7 +52,7 @@ class CompleteObject:
     """A new object whose payload is complete, not yet cached (:meth:`ObjectIngest.store`)."""
 
     start: ObjectStart
-    pieces: list[Bytes]
+    pieces: list[Held]
 
 
 def _cached_object(complete: CompleteObject, digest: bytes | None, now_ms: int) -> CachedObject:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,6 +22,7 @@ from moqt.messages_params import FilterType, SubscriptionFilter
 from moqt.objects import ObjectStart
 from moqt.wire import KeyValuePair, Location
 from relay import access, deadlines, kv
+from relay import cache as cache_module
 from relay import ingest as ingest_module
 from relay.cache import (
     KEEP_VIEW_MIN,
@@ -512,7 +515,21 @@ def test_a_layer_that_expired_is_waited_for_again(monkeypatch: pytest.MonkeyPatc
     assert calls == [3]
 
 
-def test_received_payload_is_cached_without_a_copy() -> None:
+def _address(buffer: object) -> int:
+    """Where a buffer's octets are (numpy reads any buffer, read-only ones too)."""
+    return int(np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0])  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["frozen-slices", "memoryviews"])
+def test_received_payload_is_cached_without_a_copy(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    frozen = cache_module._frozen
+    if native and frozen is None:
+        pytest.skip("moqt._frozen was not built here")
+    if not native:
+        monkeypatch.setattr(cache_module, "_frozen", None)
+    kind = frozen.FrozenSlice if native and frozen is not None else memoryview
     size = 3 * KEEP_VIEW_MIN
     block = make_block(67, layers=3, size=size)
     cache = ObjectCache(1 << 20)
@@ -534,12 +551,16 @@ def test_received_payload_is_cached_without_a_copy() -> None:
     entry = cache.track(block.track)
     assert entry is not None
     first, second, third = (entry.objects[Location(0, n)] for n in range(3))
-    assert first.payload is received[0]
+    assert type(first.payload) is kind and _address(first.payload) == _address(received[0])
     for obj, source in ((second, received[1]), (third, received[2])):
         assert isinstance(obj.payload, tuple) and len(obj.payload) == 2
         kept, copied = obj.payload
-        assert isinstance(kept, memoryview) and kept.obj is source.obj  # a view, no copy
+        assert type(kept) is kind and _address(kept) == _address(source)  # a view, no copy
+        assert len(kept) == cut
         assert isinstance(copied, bytes)  # writable, or too short to pin a buffer
+    sent = second.sendable()
+    assert isinstance(sent, tuple) and all(type(part) in (memoryview, bytes) for part in sent)
+    assert b"".join(sent) == block.layers[1]
     writable[cut:] = b"\0" * (size - cut)  # the sender reuses its buffer
     assert second.payload_bytes() == block.layers[1] and second.size == size
     assert first.conflict(replace(first, payload=bytes(block.layers[0]))) is None
@@ -648,3 +669,54 @@ def test_the_relay_core_is_sans_io() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["frozen-slices", "memoryviews"])
+def test_what_the_cache_holds_is_not_walked_by_the_collector(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full collection walks every tracked object: where ``moqt._frozen`` is built, the
+    cached objects, their Locations, extensions and payload slices are not tracked, so the
+    collector's lists grow by each track's entry, not by what it holds (four or more objects
+    per cached object without it)."""
+    if native and cache_module._frozen is None:
+        pytest.skip("moqt._frozen was not built here")
+    if not native:
+        monkeypatch.setattr(cache_module, "_frozen", None)
+    blocks = [make_block(300 + n, layers=4, size=KEEP_VIEW_MIN) for n in range(100)]
+    received = bytearray().join(layer for block in blocks for layer in block.layers)
+    view = memoryview(received).toreadonly()  # as a transport hands out what it received
+    cache = ObjectCache(1 << 30)
+    at = 0
+
+    def fill(some: list[Block]) -> int:
+        """Cache ``some`` blocks; how many more objects the collector tracks after."""
+        nonlocal at
+        gc.collect()
+        tracked = len(gc.get_objects())
+        for block in some:
+            ingest = ObjectIngest(cache, block.track)
+            for index, (payload, extensions) in enumerate(block.objects()):
+                ingest.begin(1, _start(index, payload, extensions), 0)
+                half = len(payload) // 2  # in two pieces, the second too short to keep
+                ingest.data(1, view[at : at + half + 1], 0)
+                ingest.data(1, view[at + half + 1 : at + len(payload)], 0)
+                assert ingest.end(1, 0).malformed is None
+                at += len(payload)
+        del ingest
+        gc.collect()
+        return len(gc.get_objects()) - tracked
+
+    fill(blocks[:50])  # and whatever the first use of each code path leaves behind
+    grown = fill(blocks[50:])
+    cached = [obj for block in blocks for obj in cache.track(block.track).objects.values()]  # type: ignore[union-attr]
+    assert [obj.payload_bytes() for obj in cached] == [
+        layer for block in blocks for layer in block.layers
+    ]
+    if native:
+        assert not any(gc.is_tracked(obj) or gc.is_tracked(obj.payload) for obj in cached)
+        entry = cache.track(blocks[0].track)
+        assert entry is not None and not any(map(gc.is_tracked, entry.objects))
+        assert grown <= 2 * 50  # a CacheTrack and its dict of objects per track
+    else:
+        assert grown >= 4 * 4 * 50

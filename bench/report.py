@@ -116,6 +116,12 @@ BENCHMARKS = (
         ("--rounds", "4"),
     ),
     Benchmark(
+        "gc",
+        "bench_relay_gc.py",
+        "The collector's pauses with a large relay cache, frozen slices or memoryviews",
+        ("--rounds", "2"),
+    ),
+    Benchmark(
         "floor",
         "bench_relay_floor.py",
         "A relay miss against byte forwarders that parse nothing",

@@ -85,7 +85,10 @@ def frozen_payload(data: Bytes) -> Held:
         return data
     if type(data) is memoryview and data.readonly and len(data) >= KEEP_VIEW_MIN:
         if _frozen is not None and data.c_contiguous and data.itemsize == 1:
-            frozen: FrozenSlice = _frozen.FrozenSlice(data)
+            try:
+                frozen: FrozenSlice = _frozen.FrozenSlice(data)
+            except (TypeError, ValueError, BufferError):
+                return data  # an exporter that will not export itself plainly: keep the view
             return frozen
         return data
     return bytes(data)

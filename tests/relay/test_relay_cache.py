@@ -7,6 +7,7 @@ import hashlib
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -669,6 +670,18 @@ def test_the_relay_core_is_sans_io() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_view_that_cannot_be_frozen_is_kept_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view whose exporter refuses a plain export of itself is kept as the memoryview it is
+    (tracked, as before), not refused."""
+
+    def refuse(view: memoryview) -> None:
+        raise BufferError("no plain export")
+
+    monkeypatch.setattr(cache_module, "_frozen", SimpleNamespace(FrozenSlice=refuse))
+    view = memoryview(bytes(KEEP_VIEW_MIN)).toreadonly()
+    assert cache_module.frozen_payload(view) is view
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["frozen-slices", "memoryviews"])

@@ -278,11 +278,10 @@ class RelayHolder:
         stays due, and is named again, until :meth:`publish` moves its refresh on or the
         block goes."""
         now = self.clock.now_ms()
-        blocks = self._blocks
 
         def current(packed: bytes) -> _Published | None:
-            published = blocks.get(packed)
-            return published if published is not None and published.due_ms <= now else None
+            due = self._due_ms(packed)
+            return self._blocks[packed] if due is not None and due <= now else None
 
         found = _come(self._refreshes, now, current)
         return [published.replica.key for published in found.values()]
@@ -291,12 +290,10 @@ class RelayHolder:
         """Tracks whose MAX_CACHE_DURATION has passed; each is named again until it is
         withdrawn."""
         now = self.clock.now_ms()
-        replicas = self._replicas
 
         def current(key: TrackKey) -> KVReplica | None:
-            replica = replicas.get(key)
-            expires = None if replica is None else replica.expires_ms
-            return replica if expires is not None and expires <= now else None
+            expires = self._expires_ms(key)
+            return self._replicas[key] if expires is not None and expires <= now else None
 
         return list(_come(self._expiries, now, current))
 
